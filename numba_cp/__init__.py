@@ -1,0 +1,18 @@
+"""numba_cp: the context-parallel candidate exchange of a sparse-attention indexer.
+
+Each of ``world`` ranks scores a round-robin shard of the KV blocks, keeps a
+per-head top-k of packed int64 keys (:func:`local_topk_keys`), all-gathers
+them, and merges them into the exact global top-k (:func:`merge_topk_keys`),
+optionally writing the paged sparse block table. ``shared/SPEC.md`` is the
+contract; :mod:`numba_cp.reference` is its NumPy oracle.
+
+Importing this package selects the kernel target (see :mod:`numba_cp.backend`).
+"""
+
+from . import backend, reference
+from .constants import PAGES, SPARSE_BLOCK
+from .ops import local_topk_keys, merge_topk_keys
+
+__all__ = ["local_topk_keys", "merge_topk_keys", "reference", "backend", "PAGES",
+           "SPARSE_BLOCK"]
+__version__ = "0.1.0"

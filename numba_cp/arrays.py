@@ -1,0 +1,123 @@
+"""Turning caller arrays into kernel arguments for the active backend.
+
+On a GPU backend anything exposing ``__cuda_array_interface__`` (CuPy, PyTorch
+CUDA tensors, Numba device arrays) or DLPack is accepted as a zero-copy view;
+host NumPy arrays are refused, since Numba would silently copy them to the
+device and back. Under the simulator, host NumPy arrays are what kernels take.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .backend import NAME, cuda, is_simulator
+
+__all__ = ["KernelArray", "as_kernel_array", "resolve_stream", "with_leading_axis"]
+
+
+class KernelArray:
+    """A kernel argument plus the metadata the host wrappers validate."""
+
+    __slots__ = ("arg", "dtype", "shape", "strides", "name")
+
+    def __init__(self, arg, dtype, shape, strides, name):
+        self.arg = arg
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(int(n) for n in shape)
+        self.strides = strides
+        self.name = name
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+
+class _InterfaceView:
+    """A bare ``__cuda_array_interface__`` holder (used to re-shape a view)."""
+
+    def __init__(self, interface):
+        self.__cuda_array_interface__ = interface
+
+
+def _from_dlpack(obj, name):
+    try:
+        import cupy
+    except ImportError:
+        raise TypeError(f"{name}: DLPack arrays need CuPy installed to be viewed on the "
+                        f"{NAME} backend; pass an array with __cuda_array_interface__") from None
+    try:
+        return cupy.from_dlpack(obj)
+    except Exception as exc:  # a DLPack capsule on the wrong device, say
+        raise TypeError(f"{name}: cannot view this DLPack array on the {NAME} device "
+                        f"({exc})") from None
+
+
+def as_kernel_array(obj, name: str) -> KernelArray:
+    """Validate that ``obj`` lives where the backend's kernels can read it; wrap it."""
+    if is_simulator:
+        if isinstance(obj, np.ndarray):
+            return KernelArray(obj, obj.dtype, obj.shape, obj.strides, name)
+        if hasattr(obj, "__cuda_array_interface__"):
+            raise TypeError(f"{name}: a device array was given but the active backend is the "
+                            "CPU simulator, which takes host NumPy arrays")
+        raise TypeError(f"{name}: expected a NumPy array, got {type(obj).__name__}")
+    if isinstance(obj, np.ndarray):
+        raise TypeError(f"{name}: a host NumPy array was given but the {NAME} backend takes "
+                        "device arrays (CuPy, PyTorch CUDA, anything with "
+                        "__cuda_array_interface__)")
+    if not hasattr(obj, "__cuda_array_interface__"):
+        if not hasattr(obj, "__dlpack__"):
+            raise TypeError(f"{name}: expected a device array, got {type(obj).__name__}")
+        obj = _from_dlpack(obj, name)
+    device_array = cuda.as_cuda_array(obj, sync=False)
+    return KernelArray(device_array, device_array.dtype, device_array.shape,
+                       device_array.strides, name)
+
+
+def with_leading_axis(array: KernelArray) -> KernelArray:
+    """``array`` viewed as shape ``(1, *shape)`` without copying."""
+    if is_simulator:
+        view = array.arg[np.newaxis]
+        return KernelArray(view, view.dtype, view.shape, view.strides, array.name)
+    interface = dict(array.arg.__cuda_array_interface__)
+    strides = interface.get("strides") or _contiguous_strides(array.shape, array.dtype.itemsize)
+    interface["shape"] = (1,) + tuple(interface["shape"])
+    interface["strides"] = (0,) + tuple(strides)
+    interface["stream"] = None
+    view = cuda.as_cuda_array(_InterfaceView(interface), sync=False)
+    return KernelArray(view, view.dtype, view.shape, view.strides, array.name)
+
+
+def _contiguous_strides(shape, itemsize):
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def resolve_stream(stream):
+    """The stream kernels launch on: ``stream`` if given, else CuPy's current one.
+
+    Accepts a Numba stream, a CuPy stream, a PyTorch stream (anything with a
+    ``ptr``/``cuda_stream`` handle) or a raw integer handle.
+    """
+    if is_simulator:
+        return 0
+    if stream is None:
+        cupy = sys.modules.get("cupy")
+        if cupy is None:
+            return cuda.default_stream()
+        stream = cupy.cuda.get_current_stream()
+    if hasattr(stream, "handle") and hasattr(stream, "synchronize") and not hasattr(stream, "ptr"):
+        return stream  # already a Numba stream
+    for attribute in ("ptr", "cuda_stream"):
+        if hasattr(stream, attribute):
+            stream = getattr(stream, attribute)
+            break
+    if isinstance(stream, (int, np.integer)):
+        return cuda.external_stream(int(stream)) if stream else cuda.default_stream()
+    raise TypeError(f"stream: expected a Numba, CuPy or PyTorch stream or an int handle, "
+                    f"got {type(stream).__name__}")

@@ -1,0 +1,138 @@
+"""Exact block-wide top-k of unique int64 keys: radix select, then bitonic sort.
+
+One thread block owns one ``(head, row)``. Candidates are never materialised:
+a ``candidate_key(src, ctx, i)`` device function recomputes key ``i`` on each
+pass, so the pack reads scores and the merge reads gathered keys through the
+same selection code, and neither needs scratch memory beyond shared arrays of
+compile-time size ``capacity`` (a power of two >= topk).
+
+Why this algorithm: keys of distinct valid blocks are distinct, so the k-th
+largest key is a unique threshold and "every key >= threshold" is exactly the
+top-k, with no tie handling and a deterministic result. The threshold is found
+MSB-first, 8 bits per pass, over the 48 bits below the valid bit (at most six
+passes, stopping early once a digit bucket holds exactly the keys still
+wanted), so the cost is linear in the candidate count whatever ``topk`` is.
+The <= ``capacity`` survivors are then sorted in shared memory. When all
+candidates fit in ``capacity`` the select is skipped and they are sorted
+directly.
+"""
+
+from numba import int32, int64
+
+from ..backend import cuda
+from ..constants import KEY_VALID_BIT
+from .primitives import shared_atomic_add
+
+RADIX_BITS = 8
+RADIX = 1 << RADIX_BITS
+TOP_SHIFT = 40  # the digit just below the valid bit (bit 48)
+
+# state slots (shared int64[STATE_SLOTS])
+PREFIX, WANTED, THRESHOLD = 0, 1, 2
+STATE_SLOTS = 4
+
+
+@cuda.jit(device=True)
+def bitonic_sort_descending(values, size):
+    """Sort shared ``values[0:size]`` (``size`` a power of two) largest first."""
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    span = 2
+    while span <= size:
+        stride = span // 2
+        while stride > 0:
+            for pair in range(tid, size // 2, nthreads):
+                i = 2 * stride * (pair // stride) + (pair % stride)
+                j = i + stride
+                a = values[i]
+                b = values[j]
+                if (a < b) == ((i & span) == 0):
+                    values[i] = b
+                    values[j] = a
+            cuda.syncthreads()
+            stride //= 2
+        span *= 2
+
+
+@cuda.jit(device=True)
+def choose_digit(hist, state, shift):
+    """One thread's step of the radix select: narrow the prefix by one digit.
+
+    Sets ``state[THRESHOLD]`` once the top-``state[WANTED]`` keys under the
+    current prefix are exactly those at or above one value.
+    """
+    prefix = state[PREFIX]
+    wanted = state[WANTED]
+    above = int64(0)
+    digit = RADIX - 1
+    while digit > 0 and above + hist[digit] < wanted:
+        above += hist[digit]
+        digit -= 1
+    reached = above + hist[digit]
+    if reached < wanted:  # fewer candidates than topk (first pass only): take all
+        state[THRESHOLD] = prefix << (shift + RADIX_BITS)
+    elif reached == wanted:  # this bucket completes the top-k
+        state[THRESHOLD] = ((prefix << RADIX_BITS) | digit) << shift
+    else:
+        state[PREFIX] = (prefix << RADIX_BITS) | digit
+        state[WANTED] = wanted - above
+
+
+def make_block_topk(candidate_key, capacity):
+    """Build ``block_topk(src, ctx, count, topk, sel, hist, state)`` for one key source.
+
+    After it returns (all threads of the block must call it), ``sel[0:capacity]``
+    holds the ``min(topk, non-zero candidates)`` largest keys in descending
+    order followed by zeros.
+    """
+
+    @cuda.jit(device=True)
+    def radix_threshold(src, ctx, count, topk, hist, state):
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        if tid == 0:
+            state[PREFIX] = KEY_VALID_BIT >> (TOP_SHIFT + RADIX_BITS)
+            state[WANTED] = topk
+            state[THRESHOLD] = 0
+        shift = TOP_SHIFT
+        while shift >= 0:
+            for digit in range(tid, RADIX, nthreads):
+                hist[digit] = 0
+            cuda.syncthreads()
+            prefix = state[PREFIX]
+            for i in range(tid, count, nthreads):
+                key = candidate_key(src, ctx, i)
+                if (key >> (shift + RADIX_BITS)) == prefix:
+                    shared_atomic_add(hist, int32((key >> shift) & (RADIX - 1)), int32(1))
+            cuda.syncthreads()
+            if tid == 0:
+                choose_digit(hist, state, shift)
+            cuda.syncthreads()
+            if state[THRESHOLD] != 0:
+                break
+            shift -= RADIX_BITS
+        return state[THRESHOLD]
+
+    @cuda.jit(device=True)
+    def block_topk(src, ctx, count, topk, sel, hist, state):
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        if count <= capacity:
+            for i in range(tid, capacity, nthreads):
+                sel[i] = candidate_key(src, ctx, i) if i < count else int64(0)
+            cuda.syncthreads()
+        else:
+            threshold = radix_threshold(src, ctx, count, topk, hist, state)
+            for i in range(tid, capacity, nthreads):
+                sel[i] = 0
+            if tid == 0:
+                hist[0] = 0
+            cuda.syncthreads()
+            for i in range(tid, count, nthreads):
+                key = candidate_key(src, ctx, i)
+                if key >= threshold:
+                    sel[shared_atomic_add(hist, 0, int32(1))] = key
+            cuda.syncthreads()
+        bitonic_sort_descending(sel, capacity)
+
+    return block_topk

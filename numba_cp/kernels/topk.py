@@ -1,0 +1,172 @@
+"""The exchange's kernels: shard top-k keys, and the per-head merge (+ sparse table).
+
+Launch shape for all of them: ``grid = (tokens, heads)``, one block per
+``(head, row)``, any number of threads per block. Kernels are built per shared
+capacity (a compile-time power of two, see :mod:`.select`) and cached.
+"""
+
+from functools import lru_cache
+
+from numba import int32, int64
+
+from ..backend import cuda
+from ..constants import PAGES, SPARSE_BLOCK
+from .keys import causal_len_of, repin_key, score_key, valid_blocks_of
+from .select import RADIX, STATE_SLOTS, make_block_topk
+
+# ctx tuples handed to the candidate functions
+# shard:    (head, row, rank, world, init_blocks, local_start)
+# gathered: (head, row, per_shard, init_blocks, local_start)
+
+
+@cuda.jit(device=True, inline=True)
+def shard_candidate_key(scores, ctx, column):
+    head, row, rank, world, init_blocks, local_start = ctx
+    block = column * world + rank
+    return score_key(scores[head, row, column], block, init_blocks, local_start)
+
+
+@cuda.jit(device=True, inline=True)
+def gathered_candidate_key(keys, ctx, i):
+    head, row, per_shard, init_blocks, local_start = ctx
+    key = keys[i // per_shard, head, row, i % per_shard]
+    if key == 0:
+        return int64(0)
+    return repin_key(key, init_blocks, local_start)
+
+
+@cuda.jit(device=True, inline=True)
+def shard_candidate_count(valid_blocks, global_blocks, rank, world, local):
+    """Local columns ``j`` whose block ``j * world + rank`` is valid for the row."""
+    limit = min(valid_blocks, global_blocks)
+    if limit <= rank:
+        return int64(0)
+    return min((limit - rank + world - 1) // world, local)
+
+
+@lru_cache(maxsize=None)
+def shard_topk_kernel(capacity):
+    block_topk = make_block_topk(shard_candidate_key, capacity)
+
+    @cuda.jit
+    def shard_topk_keys(scores, seq_lens, out, topk, rank, world, query_len,
+                        global_blocks, init_blocks, local_blocks):
+        sel = cuda.shared.array(capacity, int64)
+        hist = cuda.shared.array(RADIX, int32)
+        state = cuda.shared.array(STATE_SLOTS, int64)
+        row = cuda.blockIdx.x
+        head = cuda.blockIdx.y
+        request = row // query_len
+        valid_blocks = valid_blocks_of(causal_len_of(seq_lens[request], row - request * query_len,
+                                                     query_len))
+        local_start = max(valid_blocks - local_blocks, 0)
+        count = shard_candidate_count(valid_blocks, global_blocks, rank, world, scores.shape[2])
+        ctx = (int64(head), int64(row), rank, world, init_blocks, local_start)
+        block_topk(scores, ctx, count, topk, sel, hist, state)
+        for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
+            out[head, row, j] = sel[j]
+
+    return shard_topk_keys
+
+
+@lru_cache(maxsize=None)
+def _merge_select(capacity):
+    block_topk = make_block_topk(gathered_candidate_key, capacity)
+
+    @cuda.jit(device=True)
+    def merge_select(keys, seq_lens, topk_idx, head, row, query_len, init_blocks, local_blocks,
+                     sel, hist, state):
+        """Merge one (head, row); leaves its block ids (or -1) in ``sel[0:topk]``."""
+        topk = topk_idx.shape[2]
+        request = row // query_len
+        causal_len = causal_len_of(seq_lens[request], row - request * query_len, query_len)
+        valid_blocks = valid_blocks_of(causal_len)
+        local_start = max(valid_blocks - local_blocks, 0)
+        per_shard = keys.shape[3]
+        ctx = (head, row, int64(per_shard), init_blocks, local_start)
+        block_topk(keys, ctx, keys.shape[0] * per_shard, topk, sel, hist, state)
+        kept = min(topk, valid_blocks)
+        for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
+            key = sel[j]
+            block = (key & 0xFFFF) - 1 if (j < kept and key != 0) else int64(-1)
+            topk_idx[head, row, j] = block
+            sel[j] = block
+        cuda.syncthreads()
+        return causal_len
+
+    return merge_select
+
+
+@lru_cache(maxsize=None)
+def merge_topk_kernel(capacity):
+    merge_select = _merge_select(capacity)
+
+    @cuda.jit
+    def merge_topk_ids(keys, seq_lens, topk_idx, query_len, init_blocks, local_blocks):
+        sel = cuda.shared.array(capacity, int64)
+        hist = cuda.shared.array(RADIX, int32)
+        state = cuda.shared.array(STATE_SLOTS, int64)
+        merge_select(keys, seq_lens, topk_idx, int64(cuda.blockIdx.y), int64(cuda.blockIdx.x),
+                     query_len, init_blocks, local_blocks, sel, hist, state)
+
+    return merge_topk_ids
+
+
+@cuda.jit(device=True)
+def write_sparse_table(blocks, topk, causal_len, request, head, row, block_table, page_stride,
+                       sparse_table, context_lens, slots, state):
+    """SPEC.md's paged sparse block table for one (head, row) from its merged ``blocks``.
+
+    ``slots`` (shared, >= topk) receives the block of each used output slot.
+    """
+    tid = cuda.threadIdx.x
+    ctx_len = max(causal_len, 0)
+    self_blk = (causal_len - 1) // SPARSE_BLOCK
+    if tid == 0:
+        n_full = 0
+        has_tail = False
+        for j in range(topk):
+            b = blocks[j]
+            if ctx_len > 0 and 0 <= b <= self_blk and b < block_table.shape[1]:
+                if b < self_blk:
+                    slots[n_full] = b
+                    n_full += 1
+                else:
+                    has_tail = True
+        n_used = n_full
+        if has_tail:
+            slots[n_full] = self_blk
+            n_used += 1
+            context_lens[head, row] = n_full * SPARSE_BLOCK + (ctx_len - self_blk * SPARSE_BLOCK)
+        else:
+            context_lens[head, row] = min(n_used * SPARSE_BLOCK, ctx_len)
+        state[0] = n_used
+    cuda.syncthreads()
+    n_used = state[0]
+    for entry in range(tid, topk * PAGES, cuda.blockDim.x):
+        slot = entry // PAGES
+        page = 0
+        if slot < n_used:
+            page = block_table[request, slots[slot]] * page_stride + entry % PAGES
+        sparse_table[head, row, entry] = page
+
+
+@lru_cache(maxsize=None)
+def merge_sparse_table_kernel(capacity):
+    merge_select = _merge_select(capacity)
+
+    @cuda.jit
+    def merge_topk_ids_and_table(keys, seq_lens, topk_idx, query_len, init_blocks, local_blocks,
+                                 block_table, page_stride, sparse_table, context_lens):
+        sel = cuda.shared.array(capacity, int64)
+        hist = cuda.shared.array(RADIX, int32)
+        state = cuda.shared.array(STATE_SLOTS, int64)
+        slots = cuda.shared.array(capacity, int32)
+        row = int64(cuda.blockIdx.x)
+        head = int64(cuda.blockIdx.y)
+        causal_len = merge_select(keys, seq_lens, topk_idx, head, row, query_len, init_blocks,
+                                  local_blocks, sel, hist, state)
+        write_sparse_table(sel, topk_idx.shape[2], causal_len, row // query_len, head, row,
+                           block_table, page_stride, sparse_table, context_lens, slots, state)
+
+    return merge_topk_ids_and_table

@@ -1,0 +1,202 @@
+"""Public host wrappers: validate, pick a launch shape, launch. Nothing else.
+
+Both functions are graph safe: with the output buffers given they allocate
+nothing on the device, copy nothing to the host and decide only from shapes
+and keyword arguments (SPEC.md, "Graph safety").
+"""
+
+from __future__ import annotations
+
+from . import validate
+from .arrays import as_kernel_array, resolve_stream, with_leading_axis
+from .backend import is_simulator
+from .constants import MAX_GLOBAL_BLOCKS, MAX_TOPK, PAGES
+from .kernels.topk import merge_sparse_table_kernel, merge_topk_kernel, shard_topk_kernel
+
+__all__ = ["local_topk_keys", "merge_topk_keys", "DEFAULT_THREADS", "DEFAULT_SORT_LIMIT"]
+
+# The simulator runs every GPU thread as a Python thread: small blocks keep it quick.
+DEFAULT_THREADS = 8 if is_simulator else 128
+# Up to this many candidates are sorted outright; beyond it, radix select first.
+DEFAULT_SORT_LIMIT = 64 if is_simulator else 1024
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _launch_shape(topk: int, candidates: int, threads, sort_limit):
+    threads = DEFAULT_THREADS if threads is None else validate.integer(
+        "threads", threads, low=1, high=1025)
+    sort_limit = DEFAULT_SORT_LIMIT if sort_limit is None else validate.integer(
+        "sort_limit", sort_limit, low=1, high=MAX_TOPK + 1)
+    capacity = _next_pow2(max(topk, candidates if candidates <= sort_limit else 1))
+    return threads, capacity
+
+
+def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_blocks,
+                    init_blocks, local_blocks, out, stream=None, threads=None, sort_limit=None):
+    """Per-head top-k packed keys of this rank's shard (SPEC.md ``local_topk_keys``).
+
+    Args:
+        scores: float32 ``[heads, tokens, local]``, this rank's shard: column
+            ``j`` is global block ``j * world + rank``; any strides. Columns
+            whose block is not valid for a row are never read.
+        seq_lens: integer ``[requests]`` (``requests >= tokens // query_len``),
+            each request's context length including its query tokens.
+        topk: keys kept per ``(head, row)``, ``1 <= topk <= 2048``.
+        rank, world: this rank and the CP group size.
+        query_len: query tokens per request; ``tokens % query_len == 0``.
+        global_blocks: global block slots, ``0 <= global_blocks < 65535`` and
+            ``local >= ceil(global_blocks / world)``.
+        init_blocks, local_blocks: pinned sink and recent blocks, ``>= 0``.
+        out: int64 ``[heads, tokens, >= topk]``; ``out[h, row, :topk]`` receives
+            the keys in descending order, padded with 0.
+        stream: launch stream (default: CuPy's current stream, else the
+            default stream).
+        threads, sort_limit: launch tuning (threads per block; the candidate
+            count up to which rows are sorted outright instead of radix
+            selected). Results do not depend on them.
+
+    Returns:
+        ``out``.
+    """
+    topk = validate.integer("topk", topk, low=1, high=MAX_TOPK + 1)
+    world = validate.integer("world", world, low=1)
+    rank = validate.integer("rank", rank, low=0, high=world)
+    query_len = validate.integer("query_len", query_len, low=1)
+    global_blocks = validate.integer("global_blocks", global_blocks, low=0,
+                                     high=MAX_GLOBAL_BLOCKS)
+    init_blocks = validate.integer("init_blocks", init_blocks, low=0)
+    local_blocks = validate.integer("local_blocks", local_blocks, low=0)
+
+    scores_a = as_kernel_array(scores, "scores")
+    seq_lens_a = as_kernel_array(seq_lens, "seq_lens")
+    out_a = as_kernel_array(out, "out")
+    validate.dtype(scores_a, "float32")
+    validate.ndim(scores_a, 3)
+    validate.dtype(out_a, "int64")
+    validate.ndim(out_a, 3)
+    heads, tokens, local = scores_a.shape
+    validate.dim(out_a, 0, heads, "heads, as in scores")
+    validate.dim(out_a, 1, tokens, "tokens, as in scores")
+    validate.dim_at_least(out_a, 2, topk, "topk")
+    validate.rows(tokens, query_len, seq_lens_a)
+    validate.dim_at_least(scores_a, 2, -(-global_blocks // world),
+                          "local columns: ceil(global_blocks / world)")
+
+    threads, capacity = _launch_shape(topk, -(-global_blocks // world), threads, sort_limit)
+    if heads and tokens:
+        kernel = shard_topk_kernel(capacity)
+        launch = (tokens, heads), threads
+        if not is_simulator:
+            launch += (resolve_stream(stream),)
+        kernel[launch](scores_a.arg, seq_lens_a.arg, out_a.arg, topk, rank, world, query_len,
+                       global_blocks, init_blocks, local_blocks)
+    return out
+
+
+def _table_arrays(heads, tokens, topk, requests, attention_block_table,
+                  sparse_block_table_out, sparse_context_lens_out, block_page_stride):
+    given = [a is not None for a in (attention_block_table, sparse_block_table_out,
+                                     sparse_context_lens_out)]
+    if not any(given):
+        if block_page_stride is not None:
+            raise ValueError("block_page_stride is only used with attention_block_table")
+        return None
+    if not all(given):
+        missing = [name for name, g in zip(("attention_block_table", "sparse_block_table_out",
+                                            "sparse_context_lens_out"), given) if not g]
+        raise ValueError("attention_block_table, sparse_block_table_out and "
+                         "sparse_context_lens_out go together; missing: " + ", ".join(missing))
+    page_stride = PAGES if block_page_stride is None else (
+        validate.integer("block_page_stride", block_page_stride, low=0) or PAGES)
+    table = as_kernel_array(attention_block_table, "attention_block_table")
+    sbt = as_kernel_array(sparse_block_table_out, "sparse_block_table_out")
+    ctx = as_kernel_array(sparse_context_lens_out, "sparse_context_lens_out")
+    for array in (table, sbt, ctx):
+        validate.dtype(array, "int32")
+    validate.ndim(table, 2)
+    validate.dim_at_least(table, 0, requests, "one row per request")
+    validate.ndim(sbt, 2, 3)
+    validate.ndim(ctx, 1, 2)
+    if ctx.ndim != sbt.ndim - 1:
+        raise ValueError(f"sparse_context_lens_out must be {sbt.ndim - 1}-D to match the "
+                         f"{sbt.ndim}-D sparse_block_table_out, got shape {ctx.shape}")
+    if sbt.ndim == 2:
+        if heads != 1:
+            raise ValueError(f"sparse_block_table_out: the 2-D layout [tokens, topk * {PAGES}] "
+                             f"holds one head, but there are {heads}; pass the per-head layout "
+                             f"[heads, tokens, topk * {PAGES}]")
+        sbt = with_leading_axis(sbt)
+    validate.dim(sbt, 0, heads, "heads")
+    validate.dim(sbt, 1, tokens, "tokens")
+    validate.dim_at_least(sbt, 2, topk * PAGES, f"topk * {PAGES} pages")
+    if ctx.ndim == 1:
+        ctx = with_leading_axis(ctx)
+    validate.dim(ctx, 0, heads, "heads")
+    validate.dim(ctx, 1, tokens, "tokens")
+    return table, page_stride, sbt, ctx
+
+
+def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_blocks,
+                    attention_block_table=None, sparse_block_table_out=None,
+                    sparse_context_lens_out=None, block_page_stride=None, stream=None,
+                    threads=None, sort_limit=None):
+    """Merge gathered shard keys into global per-head top-k block ids (SPEC.md).
+
+    Args:
+        keys: int64 ``[world, heads, tokens, per_shard]``, every rank's
+            :func:`local_topk_keys` output; any strides.
+        topk_idx: int32 ``[heads, tokens, topk]`` output, ``topk <= 2048``:
+            block ids in descending key order, ``-1`` past
+            ``min(topk, valid_blocks)`` and for absent keys.
+        seq_lens, query_len, init_blocks, local_blocks: as for
+            :func:`local_topk_keys`; keys are pinned again with each row's window.
+        attention_block_table: optional int32 ``[requests, max_blocks]``, the
+            logical page of each block. With it, the paged sparse block table
+            is written too (blocks at or past ``max_blocks`` count as not
+            selected):
+        sparse_block_table_out: int32 ``[heads, tokens, >= topk * 8]``, or
+            ``[tokens, >= topk * 8]`` when ``heads == 1``.
+        sparse_context_lens_out: int32 ``[heads, tokens]`` (or ``[tokens]``).
+        block_page_stride: page index stride per block (default 8).
+        stream, threads, sort_limit: as for :func:`local_topk_keys`.
+
+    Returns:
+        ``topk_idx``.
+    """
+    query_len = validate.integer("query_len", query_len, low=1)
+    init_blocks = validate.integer("init_blocks", init_blocks, low=0)
+    local_blocks = validate.integer("local_blocks", local_blocks, low=0)
+    keys_a = as_kernel_array(keys, "keys")
+    idx_a = as_kernel_array(topk_idx, "topk_idx")
+    seq_lens_a = as_kernel_array(seq_lens, "seq_lens")
+    validate.dtype(keys_a, "int64")
+    validate.ndim(keys_a, 4)
+    validate.dtype(idx_a, "int32")
+    validate.ndim(idx_a, 3)
+    world, heads, tokens, per_shard = keys_a.shape
+    validate.dim_at_least(keys_a, 0, 1, "world")
+    validate.dim(idx_a, 0, heads, "heads, as in keys")
+    validate.dim(idx_a, 1, tokens, "tokens, as in keys")
+    topk = idx_a.shape[2]
+    if not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"topk_idx.shape[2] (topk) must be in [1, {MAX_TOPK}], got {topk}")
+    requests = validate.rows(tokens, query_len, seq_lens_a)
+    tables = _table_arrays(heads, tokens, topk, requests, attention_block_table,
+                           sparse_block_table_out, sparse_context_lens_out, block_page_stride)
+
+    threads, capacity = _launch_shape(topk, world * per_shard, threads, sort_limit)
+    if heads and tokens:
+        launch = (tokens, heads), threads
+        if not is_simulator:
+            launch += (resolve_stream(stream),)
+        args = (keys_a.arg, seq_lens_a.arg, idx_a.arg, query_len, init_blocks, local_blocks)
+        if tables is None:
+            merge_topk_kernel(capacity)[launch](*args)
+        else:
+            table, page_stride, sbt, ctx = tables
+            merge_sparse_table_kernel(capacity)[launch](*args, table.arg, page_stride, sbt.arg,
+                                                        ctx.arg)
+    return topk_idx
