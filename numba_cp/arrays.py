@@ -58,7 +58,8 @@ def as_kernel_array(obj, name: str) -> KernelArray:
     """Validate that ``obj`` lives where the backend's kernels can read it; wrap it."""
     if is_simulator:
         if isinstance(obj, np.ndarray):
-            return KernelArray(obj, obj.dtype, obj.shape, obj.strides, name)
+            return KernelArray(_simulated_device_view(obj), obj.dtype, obj.shape, obj.strides,
+                               name)
         if hasattr(obj, "__cuda_array_interface__"):
             raise TypeError(f"{name}: a device array was given but the active backend is the "
                             "CPU simulator, which takes host NumPy arrays")
@@ -76,11 +77,23 @@ def as_kernel_array(obj, name: str) -> KernelArray:
                        device_array.strides, name)
 
 
+def _simulated_device_view(host: np.ndarray):
+    """The simulator's device array over ``host`` itself: no copy, any strides.
+
+    Handing the simulator a bare NumPy array makes it copy the array in and out
+    around every launch, and it refuses non-contiguous views.
+    """
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    return FakeCUDAArray(host)
+
+
 def with_leading_axis(array: KernelArray) -> KernelArray:
     """``array`` viewed as shape ``(1, *shape)`` without copying."""
     if is_simulator:
-        view = array.arg[np.newaxis]
-        return KernelArray(view, view.dtype, view.shape, view.strides, array.name)
+        view = array.arg._ary[np.newaxis]
+        return KernelArray(_simulated_device_view(view), view.dtype, view.shape, view.strides,
+                           array.name)
     interface = dict(array.arg.__cuda_array_interface__)
     strides = interface.get("strides") or _contiguous_strides(array.shape, array.dtype.itemsize)
     interface["shape"] = (1,) + tuple(interface["shape"])

@@ -28,7 +28,7 @@ RADIX = 1 << RADIX_BITS
 TOP_SHIFT = 40  # the digit just below the valid bit (bit 48)
 
 # state slots (shared int64[STATE_SLOTS])
-PREFIX, WANTED, THRESHOLD = 0, 1, 2
+PREFIX, WANTED, THRESHOLD, TIES = 0, 1, 2, 3
 STATE_SLOTS = 4
 
 
@@ -59,7 +59,9 @@ def choose_digit(hist, state, shift):
     """One thread's step of the radix select: narrow the prefix by one digit.
 
     Sets ``state[THRESHOLD]`` once the top-``state[WANTED]`` keys under the
-    current prefix are exactly those at or above one value.
+    current prefix are exactly those at or above one value. ``state[TIES]`` is
+    then 0, or, when equal keys straddle the threshold (duplicate keys, which
+    only malformed gathered input has), how many copies of it to keep.
     """
     prefix = state[PREFIX]
     wanted = state[WANTED]
@@ -73,6 +75,9 @@ def choose_digit(hist, state, shift):
         state[THRESHOLD] = prefix << (shift + RADIX_BITS)
     elif reached == wanted:  # this bucket completes the top-k
         state[THRESHOLD] = ((prefix << RADIX_BITS) | digit) << shift
+    elif shift == 0:  # the last digit: these keys are all equal to the threshold
+        state[THRESHOLD] = (prefix << RADIX_BITS) | digit
+        state[TIES] = wanted - above
     else:
         state[PREFIX] = (prefix << RADIX_BITS) | digit
         state[WANTED] = wanted - above
@@ -94,6 +99,7 @@ def make_block_topk(candidate_key, capacity):
             state[PREFIX] = KEY_VALID_BIT >> (TOP_SHIFT + RADIX_BITS)
             state[WANTED] = topk
             state[THRESHOLD] = 0
+            state[TIES] = 0
         shift = TOP_SHIFT
         while shift >= 0:
             for digit in range(tid, RADIX, nthreads):
@@ -123,15 +129,22 @@ def make_block_topk(candidate_key, capacity):
             cuda.syncthreads()
         else:
             threshold = radix_threshold(src, ctx, count, topk, hist, state)
+            ties = state[TIES]
+            above = topk - ties  # keys strictly above the threshold, when ties > 0
             for i in range(tid, capacity, nthreads):
                 sel[i] = 0
             if tid == 0:
                 hist[0] = 0
+                hist[1] = 0
             cuda.syncthreads()
             for i in range(tid, count, nthreads):
                 key = candidate_key(src, ctx, i)
-                if key >= threshold:
+                if key > threshold or (key == threshold and ties == 0):
                     sel[shared_atomic_add(hist, 0, int32(1))] = key
+                elif key == threshold:
+                    copy = shared_atomic_add(hist, 1, int32(1))
+                    if copy < ties:
+                        sel[above + copy] = key
             cuda.syncthreads()
         bitonic_sort_descending(sel, capacity)
 

@@ -1,0 +1,77 @@
+"""SPEC.md's exactness promise: the CP exchange equals the unsharded top-k, any world."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import numba_cp
+from numba_cp import reference as ref
+from support import THREADS, Case, cases, score_matrix, seq_len_choices, to_device, to_host
+
+
+@settings(max_examples=200)
+@given(case=cases(max_requests=4, max_global_blocks=64, max_topk=16))
+def test_fake_cp_oracle_equals_unsharded(case):
+    merged = ref.fake_cp_exchange(case.full_scores, case.seq_lens, world=case.world,
+                                  topk=case.topk, global_blocks=case.global_blocks,
+                                  **case.window)
+    unsharded = ref.global_topk(case.full_scores, case.seq_lens, topk=case.topk,
+                                global_blocks=case.global_blocks, **case.window)
+    np.testing.assert_array_equal(merged, unsharded)
+
+
+def kernel_exchange(case, *, per_shard, table=None, threads=THREADS):
+    """pack on every rank -> stack (the all-gather) -> merge, all through the kernels."""
+    local = -(-case.global_blocks // case.world)
+    gathered = to_device(np.zeros((case.world, case.heads, case.tokens, per_shard), np.int64))
+    seq_lens = to_device(case.seq_lens)
+    for r in range(case.world):
+        shard = ref.shard_scores(case.full_scores, rank=r, world=case.world,
+                                 global_blocks=case.global_blocks, local=local)
+        numba_cp.local_topk_keys(to_device(shard), seq_lens, topk=per_shard, rank=r,
+                                 out=gathered[r], threads=threads, **case.shard_args)
+    topk_idx = to_device(np.zeros((case.heads, case.tokens, case.topk), np.int32))
+    extra = {}
+    if table is not None:
+        extra = dict(attention_block_table=to_device(table),
+                     sparse_block_table_out=to_device(
+                         np.zeros((case.heads, case.tokens, case.topk * 8), np.int32)),
+                     sparse_context_lens_out=to_device(
+                         np.zeros((case.heads, case.tokens), np.int32)))
+    numba_cp.merge_topk_keys(gathered, topk_idx, seq_lens, threads=threads, **case.window,
+                             **extra)
+    if table is None:
+        return to_host(topk_idx)
+    return (to_host(topk_idx), to_host(extra["sparse_block_table_out"]),
+            to_host(extra["sparse_context_lens_out"]))
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+def test_kernel_exchange_equals_unsharded(world):
+    rng = np.random.default_rng(100 + world)
+    requests, query_len, global_blocks, topk = 2, 2, 45, 9
+    case = Case(score_matrix(rng, (2, requests * query_len, global_blocks), "special"),
+                seq_len_choices(rng, requests, query_len, global_blocks), world=world,
+                topk=topk, query_len=query_len, global_blocks=global_blocks, init_blocks=1,
+                local_blocks=2)
+    case.seq_lens[0] = global_blocks * 128  # at least one full-length request
+    unsharded = ref.global_topk(case.full_scores, case.seq_lens, topk=topk,
+                                global_blocks=global_blocks, **case.window)
+    np.testing.assert_array_equal(kernel_exchange(case, per_shard=topk), unsharded)
+    np.testing.assert_array_equal(kernel_exchange(case, per_shard=topk + 3), unsharded)
+
+
+@pytest.mark.parametrize("world", [1, 3, 8])
+def test_kernel_exchange_with_sparse_table(world):
+    rng = np.random.default_rng(7 * world)
+    case = Case(score_matrix(rng, (1, 3, 40), "ties"), np.array([40 * 128, 1000, 2], np.int32),
+                world=world, topk=8, query_len=1, global_blocks=40, init_blocks=1,
+                local_blocks=1)
+    table = rng.integers(0, 500, size=(3, 40), dtype=np.int32)
+    got = kernel_exchange(case, per_shard=8, table=table)
+    unsharded = ref.global_topk(case.full_scores, case.seq_lens, topk=8, global_blocks=40,
+                                **case.window)
+    exp_sbt, exp_ctx = ref.sparse_block_table(unsharded, case.seq_lens, table, query_len=1)
+    np.testing.assert_array_equal(got[0], unsharded)
+    np.testing.assert_array_equal(got[1], exp_sbt)
+    np.testing.assert_array_equal(got[2], exp_ctx)

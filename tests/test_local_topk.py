@@ -1,0 +1,97 @@
+"""local_topk_keys kernel against the NumPy oracle."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import numba_cp
+from numba_cp import reference as ref
+from support import THREADS, cases, to_device, to_host
+
+SENTINEL = np.int64(-7)
+
+
+def run_shard(case, rank, *, fill, extra_columns=0, out_extra=0, sort_limit=None,
+              threads=THREADS, strided=False):
+    """Kernel keys of ``rank``'s shard, with garbage columns and padded/strided views."""
+    local = -(-case.global_blocks // case.world) + extra_columns
+    shard = ref.shard_scores(case.full_scores, rank=rank, world=case.world,
+                             global_blocks=case.global_blocks, local=local, fill=fill)
+    heads, tokens = case.heads, case.tokens
+    if strided:  # tokens-major storage, viewed as [heads, tokens, local]; every other column
+        base = np.full((tokens, heads, 2 * local + 1), np.inf, np.float32)
+        base[:, :, 1::2] = shard.transpose(1, 0, 2)
+        scores = to_device(base).transpose(1, 0, 2)[:, :, 1::2]
+        out_base = to_device(np.full((heads, tokens, 2 * (case.topk + out_extra)), SENTINEL))
+        out = out_base[:, :, ::2]
+    else:
+        scores = to_device(shard)
+        out = to_device(np.full((heads, tokens, case.topk + out_extra), SENTINEL))
+    result = numba_cp.local_topk_keys(
+        scores, to_device(case.seq_lens), topk=case.topk, rank=rank, out=out,
+        sort_limit=sort_limit, threads=threads, **case.shard_args)
+    assert result is out
+    expected = ref.local_topk_keys(shard, case.seq_lens, topk=case.topk, rank=rank,
+                                   **case.shard_args)
+    return to_host(out), expected, (to_host(out_base) if strided else None)
+
+
+@settings(max_examples=60)
+@given(case=cases(), data=st.data())
+def test_matches_oracle(case, data):
+    rank = data.draw(st.integers(0, case.world - 1), label="rank")
+    got, expected, _ = run_shard(
+        case, rank,
+        fill=data.draw(st.sampled_from([np.nan, np.inf, 3e38]), label="fill"),
+        extra_columns=data.draw(st.integers(0, 2), label="extra_columns"),
+        sort_limit=data.draw(st.sampled_from([None, 1, 5]), label="sort_limit"),
+        threads=data.draw(st.sampled_from([1, 3, THREADS]), label="threads"))
+    np.testing.assert_array_equal(got, expected)
+
+
+@settings(max_examples=15)
+@given(case=cases(max_world=4), out_extra=st.integers(1, 3))
+def test_strided_views_and_untouched_tail(case, out_extra):
+    got, expected, out_base = run_shard(case, 0, fill=np.inf, extra_columns=1,
+                                        out_extra=out_extra, strided=True)
+    np.testing.assert_array_equal(got[:, :, :case.topk], expected)
+    assert (got[:, :, case.topk:] == SENTINEL).all(), "columns past topk were written"
+    assert (out_base[:, :, 1::2] == SENTINEL).all(), "out was written outside its view"
+
+
+@pytest.mark.parametrize("sort_limit", [None, 1])
+def test_large_shard_radix_and_sort_paths(sort_limit):
+    """A shard wider than the sort tile, with many equal scores and specials."""
+    rng = np.random.default_rng(5)
+    heads, tokens, global_blocks, world = 1, 2, 600, 2
+    full = rng.integers(-3, 3, size=(heads, tokens, global_blocks)).astype(np.float32)
+    full[0, 0, ::7] = np.nan
+    full[0, 1, ::5] = -0.0
+    from support import Case
+    case = Case(full, np.array([global_blocks * 128, 333 * 128 + 5], np.int32), world=world,
+                topk=9, query_len=1, global_blocks=global_blocks, init_blocks=2,
+                local_blocks=3)
+    got, expected, _ = run_shard(case, 1, fill=np.nan, sort_limit=sort_limit)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_zero_tokens_is_a_no_op():
+    out = to_device(np.zeros((2, 0, 4), np.int64))
+    res = numba_cp.local_topk_keys(to_device(np.zeros((2, 0, 3), np.float32)),
+                                   to_device(np.zeros(0, np.int32)), topk=4, rank=0, world=1,
+                                   query_len=1, global_blocks=3, init_blocks=0,
+                                   local_blocks=0, out=out)
+    assert res is out
+
+
+def test_deterministic_across_launch_shapes():
+    rng = np.random.default_rng(11)
+    from support import Case
+    case = Case(rng.integers(0, 2, size=(2, 3, 40)).astype(np.float32),
+                np.array([40 * 128, 17 * 128, 5], np.int32), world=1, topk=10, query_len=1,
+                global_blocks=40, init_blocks=1, local_blocks=1)
+    results = [run_shard(case, 0, fill=np.nan, threads=t, sort_limit=s)[0]
+               for t, s in [(1, None), (4, None), (3, 1), (THREADS, 8)]]
+    for other in results[1:]:
+        np.testing.assert_array_equal(results[0], other)

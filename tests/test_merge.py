@@ -1,0 +1,131 @@
+"""merge_topk_keys kernel (and its fused sparse block table) against the NumPy oracle."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import numba_cp
+from numba_cp import reference as ref
+from numba_cp.constants import PAGES
+from support import THREADS, Case, cases, to_device, to_host
+
+SENTINEL = -7
+
+
+def gathered_keys(case, per_shard):
+    """Every rank's oracle keys, stacked as the all-gather delivers them."""
+    return np.stack([
+        ref.local_topk_keys(
+            ref.shard_scores(case.full_scores, rank=r, world=case.world,
+                             global_blocks=case.global_blocks),
+            case.seq_lens, topk=per_shard, rank=r, **case.shard_args)
+        for r in range(case.world)])
+
+
+def garbage_keys(rng, shape):
+    """Arbitrary int64 words: zeros, negatives, duplicates, non-canonical score bits."""
+    keys = rng.integers(-(2**62), 2**62, size=shape, dtype=np.int64)
+    # score fields that decode to NaN or -0.0 and so repack differently
+    odd_orders = np.array([0x1, 0x7FFFFF, 0x7FFFFFFF, 0xFF800001, 0xFFFFFFFF], np.int64)
+    planted = rng.random(shape) < 0.4
+    keys[planted] = ((1 << 48) | (rng.choice(odd_orders, size=int(planted.sum())) << 16)
+                     | rng.integers(0, 200, size=int(planted.sum())))
+    keys[rng.random(shape) < 0.2] = 0
+    flat = keys.reshape(-1)
+    if flat.size > 2:
+        flat[1] = flat[0]  # a duplicate
+    return keys
+
+
+def block_table(rng, case, width=None):
+    requests = case.seq_lens.size
+    width = case.global_blocks + 2 if width is None else width
+    return rng.integers(0, 1000, size=(requests, width), dtype=np.int32)
+
+
+def run_merge(keys, case, *, table=None, stride=None, layout="per-head", sort_limit=None,
+              threads=THREADS, idx_strided=False):
+    heads, tokens, topk = case.heads, case.tokens, case.topk
+    if idx_strided:
+        idx = to_device(np.full((tokens, heads, topk), SENTINEL, np.int32)).transpose(1, 0, 2)
+    else:
+        idx = to_device(np.full((heads, tokens, topk), SENTINEL, np.int32))
+    extra = {}
+    if table is not None:
+        width = topk * PAGES + 3  # wider than needed: the tail must stay untouched
+        if layout == "per-head":
+            sbt = to_device(np.full((heads, tokens, width), SENTINEL, np.int32))
+            ctx = to_device(np.full((heads, tokens), SENTINEL, np.int32))
+        else:
+            sbt = to_device(np.full((tokens, width), SENTINEL, np.int32))
+            ctx = to_device(np.full((tokens,), SENTINEL, np.int32))
+        extra = dict(attention_block_table=to_device(table), sparse_block_table_out=sbt,
+                     sparse_context_lens_out=ctx, block_page_stride=stride)
+    result = numba_cp.merge_topk_keys(to_device(keys), idx, to_device(case.seq_lens),
+                                      sort_limit=sort_limit, threads=threads, **case.window,
+                                      **extra)
+    assert result is idx
+    expected = ref.merge_topk_keys(keys, case.seq_lens, topk=topk,
+                                   attention_block_table=table, block_page_stride=stride,
+                                   **case.window)
+    if table is None:
+        np.testing.assert_array_equal(to_host(idx), expected)
+        return
+    exp_idx, exp_sbt, exp_ctx = expected
+    np.testing.assert_array_equal(to_host(idx), exp_idx)
+    got_sbt = to_host(sbt).reshape(heads, tokens, -1)
+    np.testing.assert_array_equal(got_sbt[:, :, :topk * PAGES], exp_sbt)
+    assert (got_sbt[:, :, topk * PAGES:] == SENTINEL).all(), "table written past topk * 8"
+    np.testing.assert_array_equal(to_host(ctx).reshape(heads, tokens), exp_ctx)
+
+
+@settings(max_examples=50)
+@given(case=cases(), data=st.data())
+def test_matches_oracle(case, data):
+    per_shard = data.draw(st.integers(1, case.topk + 2), label="per_shard")
+    run_merge(gathered_keys(case, per_shard), case,
+              sort_limit=data.draw(st.sampled_from([None, 1, 6]), label="sort_limit"),
+              threads=data.draw(st.sampled_from([1, 3, THREADS]), label="threads"),
+              idx_strided=data.draw(st.booleans(), label="idx_strided"))
+
+
+@settings(max_examples=30)
+@given(case=cases(max_world=4), seed=st.integers(0, 2**32 - 1),
+       per_shard=st.integers(1, 8), sort_limit=st.sampled_from([None, 1]))
+def test_garbage_keys_match_oracle(case, seed, per_shard, sort_limit):
+    keys = garbage_keys(np.random.default_rng(seed),
+                        (case.world, case.heads, case.tokens, per_shard))
+    run_merge(keys, case, sort_limit=sort_limit)
+
+
+@settings(max_examples=40)
+@given(case=cases(max_heads=3), data=st.data())
+def test_sparse_block_table_matches_oracle(case, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    layout = "reference" if case.heads == 1 and data.draw(st.booleans(), label="2d") \
+        else "per-head"
+    narrow = data.draw(st.booleans(), label="narrow table")  # blocks past its width
+    table = block_table(rng, case, width=max(case.global_blocks // 2, 1) if narrow else None)
+    run_merge(gathered_keys(case, case.topk), case, table=table, layout=layout,
+              stride=data.draw(st.sampled_from([None, 16, 0]), label="stride"),
+              sort_limit=data.draw(st.sampled_from([None, 1]), label="sort_limit"))
+
+
+def test_topk_larger_than_all_candidates():
+    rng = np.random.default_rng(3)
+    case = Case(rng.standard_normal((2, 2, 30)).astype(np.float32),
+                np.array([30 * 128, 900], np.int32), world=3, topk=12, query_len=1,
+                global_blocks=30, init_blocks=1, local_blocks=2)
+    keys = gathered_keys(case, 2)  # 6 candidates for topk 12
+    run_merge(keys, case)
+    run_merge(keys, case, table=block_table(rng, case))
+
+
+@pytest.mark.parametrize("sort_limit", [None, 1])
+def test_wide_gather_radix_path(sort_limit):
+    rng = np.random.default_rng(8)
+    case = Case(rng.standard_normal((1, 2, 400)).astype(np.float32),
+                np.array([400 * 128, 250 * 128 + 3], np.int32), world=8, topk=20, query_len=1,
+                global_blocks=400, init_blocks=2, local_blocks=3)
+    run_merge(gathered_keys(case, 24), case, table=block_table(rng, case), sort_limit=sort_limit)

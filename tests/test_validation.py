@@ -1,0 +1,152 @@
+"""Every bad argument gets a ValueError/TypeError that names it."""
+
+import numpy as np
+import pytest
+
+import numba_cp
+from support import to_device
+
+H, T, LOCAL, TOPK = 2, 4, 6, 3
+
+
+def pack_args(**change):
+    args = dict(scores=to_device(np.zeros((H, T, LOCAL), np.float32)),
+                seq_lens=to_device(np.full(T, 500, np.int32)), topk=TOPK, rank=0, world=2,
+                query_len=1, global_blocks=12, init_blocks=1, local_blocks=1,
+                out=to_device(np.zeros((H, T, TOPK), np.int64)))
+    args.update(change)
+    return args
+
+
+def merge_args(**change):
+    args = dict(keys=to_device(np.zeros((2, H, T, TOPK), np.int64)),
+                topk_idx=to_device(np.zeros((H, T, TOPK), np.int32)),
+                seq_lens=to_device(np.full(T, 500, np.int32)), query_len=1, init_blocks=1,
+                local_blocks=1)
+    args.update(change)
+    return args
+
+
+def table_args(heads=H, **change):
+    args = dict(attention_block_table=to_device(np.zeros((T, 8), np.int32)),
+                sparse_block_table_out=to_device(np.zeros((heads, T, TOPK * 8), np.int32)),
+                sparse_context_lens_out=to_device(np.zeros((heads, T), np.int32)))
+    args.update(change)
+    return args
+
+
+def test_valid_baselines_run():
+    numba_cp.local_topk_keys(**pack_args())
+    numba_cp.merge_topk_keys(**merge_args(), **table_args())
+
+
+PACK_CASES = [
+    (dict(scores=np.zeros((H, T, LOCAL), np.float64)), TypeError, "scores"),
+    (dict(scores=np.zeros((H, T), np.float32)), ValueError, "scores"),
+    (dict(out=np.zeros((H, T, TOPK), np.int32)), TypeError, "out"),
+    (dict(out=np.zeros((H, T), np.int64)), ValueError, "out"),
+    (dict(out=np.zeros((H + 1, T, TOPK), np.int64)), ValueError, "out"),
+    (dict(out=np.zeros((H, T - 1, TOPK), np.int64)), ValueError, "out"),
+    (dict(out=np.zeros((H, T, TOPK - 1), np.int64)), ValueError, "out"),
+    (dict(rank=2), ValueError, "rank"),
+    (dict(rank=-1), ValueError, "rank"),
+    (dict(world=0), ValueError, "world"),
+    (dict(topk=0), ValueError, "topk"),
+    (dict(topk=4096), ValueError, "topk"),
+    (dict(topk=2.0), TypeError, "topk"),
+    (dict(topk=True), TypeError, "topk"),
+    (dict(query_len=0), ValueError, "query_len"),
+    (dict(query_len=3), ValueError, "query_len"),  # 4 tokens not a multiple of 3
+    (dict(seq_lens=np.zeros(T, np.float32)), TypeError, "seq_lens"),
+    (dict(seq_lens=np.zeros(T - 1, np.int32)), ValueError, "seq_lens"),
+    (dict(seq_lens=np.zeros((T, 1), np.int32)), ValueError, "seq_lens"),
+    (dict(global_blocks=65535), ValueError, "global_blocks"),
+    (dict(global_blocks=-1), ValueError, "global_blocks"),
+    (dict(global_blocks=13), ValueError, "scores"),  # needs 7 local columns, has 6
+    (dict(init_blocks=-1), ValueError, "init_blocks"),
+    (dict(local_blocks=-2), ValueError, "local_blocks"),
+    (dict(threads=0), ValueError, "threads"),
+    (dict(threads=2048), ValueError, "threads"),
+    (dict(scores=[[[0.0]]]), TypeError, "scores"),
+]
+
+
+@pytest.mark.parametrize("change,error,name", PACK_CASES)
+def test_local_topk_keys_rejects(change, error, name):
+    change = {k: to_device(v) if isinstance(v, np.ndarray) else v for k, v in change.items()}
+    with pytest.raises(error, match=name):
+        numba_cp.local_topk_keys(**pack_args(**change))
+
+
+MERGE_CASES = [
+    (dict(keys=np.zeros((2, H, T, TOPK), np.int32)), TypeError, "keys"),
+    (dict(keys=np.zeros((H, T, TOPK), np.int64)), ValueError, "keys"),
+    (dict(keys=np.zeros((0, H, T, TOPK), np.int64)), ValueError, "keys"),
+    (dict(keys=np.zeros((2, H + 1, T, TOPK), np.int64)), ValueError, "topk_idx"),
+    (dict(topk_idx=np.zeros((H, T, TOPK), np.int64)), TypeError, "topk_idx"),
+    (dict(topk_idx=np.zeros((H, T + 1, TOPK), np.int32)), ValueError, "topk_idx"),
+    (dict(topk_idx=np.zeros((H, T, 0), np.int32)), ValueError, "topk"),
+    (dict(seq_lens=np.zeros(2, np.int32)), ValueError, "seq_lens"),
+    (dict(seq_lens=np.zeros(T, np.bool_)), TypeError, "seq_lens"),
+    (dict(query_len=0), ValueError, "query_len"),
+    (dict(init_blocks=-1), ValueError, "init_blocks"),
+    (dict(local_blocks=1.5), TypeError, "local_blocks"),
+    (dict(block_page_stride=16), ValueError, "block_page_stride"),  # without a table
+]
+
+
+@pytest.mark.parametrize("change,error,name", MERGE_CASES)
+def test_merge_topk_keys_rejects(change, error, name):
+    change = {k: to_device(v) if isinstance(v, np.ndarray) else v for k, v in change.items()}
+    with pytest.raises(error, match=name):
+        numba_cp.merge_topk_keys(**merge_args(**change))
+
+
+TABLE_CASES = [
+    (dict(sparse_context_lens_out=None), ValueError, "sparse_context_lens_out"),
+    (dict(attention_block_table=None), ValueError, "attention_block_table"),
+    (dict(attention_block_table=np.zeros((T, 8), np.int64)), TypeError,
+     "attention_block_table"),
+    (dict(attention_block_table=np.zeros((T - 1, 8), np.int32)), ValueError,
+     "attention_block_table"),
+    (dict(sparse_block_table_out=np.zeros((H, T, TOPK * 8 - 1), np.int32)), ValueError,
+     "sparse_block_table_out"),
+    (dict(sparse_block_table_out=np.zeros((H, T, TOPK * 8), np.float32)), TypeError,
+     "sparse_block_table_out"),
+    (dict(sparse_block_table_out=np.zeros((T, TOPK * 8), np.int32),
+          sparse_context_lens_out=np.zeros(T, np.int32)), ValueError, "2-D layout"),
+    (dict(sparse_context_lens_out=np.zeros(T, np.int32)), ValueError,
+     "sparse_context_lens_out"),
+    (dict(sparse_context_lens_out=np.zeros((H, T + 1), np.int32)), ValueError,
+     "sparse_context_lens_out"),
+    (dict(block_page_stride=-1), ValueError, "block_page_stride"),
+]
+
+
+@pytest.mark.parametrize("change,error,name", TABLE_CASES)
+def test_sparse_table_arguments_rejected(change, error, name):
+    change = {k: to_device(v) if isinstance(v, np.ndarray) else v for k, v in change.items()}
+    with pytest.raises(error, match=name):
+        numba_cp.merge_topk_keys(**merge_args(), **table_args(**change))
+
+
+def test_reference_2d_layout_accepted_for_one_head():
+    one = merge_args(keys=to_device(np.zeros((2, 1, T, TOPK), np.int64)),
+                     topk_idx=to_device(np.zeros((1, T, TOPK), np.int32)))
+    numba_cp.merge_topk_keys(**one, **table_args(
+        sparse_block_table_out=to_device(np.zeros((T, TOPK * 8), np.int32)),
+        sparse_context_lens_out=to_device(np.zeros(T, np.int32))))
+
+
+def test_wrong_kind_of_memory():
+    from numba_cp import backend
+
+    if backend.is_simulator:
+        class FakeDevice:
+            __cuda_array_interface__ = {"shape": (H, T, LOCAL), "typestr": "<f4",
+                                        "data": (0, False), "version": 3}
+        wrong = FakeDevice()
+    else:
+        wrong = np.zeros((H, T, LOCAL), np.float32)
+    with pytest.raises(TypeError, match="scores"):
+        numba_cp.local_topk_keys(**pack_args(scores=wrong))
