@@ -14,7 +14,8 @@ import numpy as np
 
 from .backend import NAME, cuda, is_simulator
 
-__all__ = ["KernelArray", "as_kernel_array", "resolve_stream", "with_leading_axis"]
+__all__ = ["KernelArray", "as_kernel_array", "resolve_stream", "with_leading_axis", "device_copy",
+           "host_copy"]
 
 
 class KernelArray:
@@ -134,3 +135,24 @@ def resolve_stream(stream):
         return cuda.external_stream(int(stream)) if stream else cuda.default_stream()
     raise TypeError(f"stream: expected a Numba, CuPy or PyTorch stream or an int handle, "
                     f"got {type(stream).__name__}")
+
+
+def device_copy(host: np.ndarray):
+    """A copy of ``host`` where the active backend's kernels read it.
+
+    CuPy on GPU backends (cupy-cuda13x / cupy-rocm-7-0), NumPy under the simulator.
+    """
+    if is_simulator:
+        return np.array(host, copy=True)
+    import cupy
+
+    return cupy.asarray(host)
+
+
+def host_copy(array) -> np.ndarray:
+    """``array`` (from :func:`device_copy` or any device array) as a host NumPy array."""
+    if isinstance(array, np.ndarray):
+        return array.copy()
+    if hasattr(array, "get"):
+        return array.get()
+    return cuda.as_cuda_array(array).copy_to_host()

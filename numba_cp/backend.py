@@ -92,6 +92,9 @@ def _load(name: str):
         from numba.core import config
 
         config.reload_config()  # numba read its environment at `import numba`
+        # The simulator's scheduler busy-polls its Python threads under the GIL;
+        # a short switch interval makes simulated blocks 5-7x faster.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 5e-5))
         from numba import cuda
         return cuda
     if name == "hip":

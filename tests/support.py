@@ -8,22 +8,11 @@ import numpy as np
 from hypothesis import strategies as st
 
 from numba_cp import backend
+from numba_cp.arrays import device_copy, host_copy
 from numba_cp.constants import SPARSE_BLOCK
 
-if backend.is_simulator:
-    def to_device(array):
-        return np.array(array, copy=True)
-
-    def to_host(array):
-        return np.asarray(array)
-else:
-    import cupy
-
-    def to_device(array):
-        return cupy.asarray(array)
-
-    def to_host(array):
-        return cupy.asnumpy(array)
+to_device = device_copy
+to_host = host_copy
 
 # Threads per block small enough for the simulator, but not one (races need >1).
 THREADS = 4 if backend.is_simulator else 128
