@@ -1,0 +1,9 @@
+"""Exceptions with a meaning beyond their type."""
+
+
+class RankAgreementError(ValueError):
+    """The ranks of a communicator disagree; raised identically on every rank.
+
+    Since no rank is left waiting in a collective, a driver may let each rank
+    report it and exit normally instead of aborting the job.
+    """
