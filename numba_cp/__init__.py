@@ -11,8 +11,18 @@ Importing this package selects the kernel target (see :mod:`numba_cp.backend`).
 
 from . import backend, reference
 from .constants import PAGES, SPARSE_BLOCK
+from .errors import RankAgreementError
 from .ops import local_topk_keys, merge_topk_keys
 
-__all__ = ["local_topk_keys", "merge_topk_keys", "reference", "backend", "PAGES",
-           "SPARSE_BLOCK"]
+__all__ = ["local_topk_keys", "merge_topk_keys", "CandidateExchange", "ExchangeConfig",
+           "RankAgreementError", "reference", "backend", "PAGES", "SPARSE_BLOCK"]
+
+
+def __getattr__(name):
+    # The exchange needs mpi4py; importing the kernels alone must not.
+    if name in ("CandidateExchange", "ExchangeConfig"):
+        from . import exchange
+
+        return getattr(exchange, name)
+    raise AttributeError(f"module 'numba_cp' has no attribute {name!r}")
 __version__ = "0.1.0"

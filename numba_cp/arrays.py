@@ -61,6 +61,8 @@ def as_kernel_array(obj, name: str) -> KernelArray:
         if isinstance(obj, np.ndarray):
             return KernelArray(_simulated_device_view(obj), obj.dtype, obj.shape, obj.strides,
                                name)
+        if getattr(obj, "__cuda_ndarray__", False):  # the simulator's own device array
+            return KernelArray(obj, obj.dtype, obj.shape, obj.strides, name)
         if hasattr(obj, "__cuda_array_interface__"):
             raise TypeError(f"{name}: a device array was given but the active backend is the "
                             "CPU simulator, which takes host NumPy arrays")
@@ -137,13 +139,15 @@ def resolve_stream(stream):
                     f"got {type(stream).__name__}")
 
 
-def device_copy(host: np.ndarray):
+def device_copy(host: np.ndarray, *, simulated_device: bool = False):
     """A copy of ``host`` where the active backend's kernels read it.
 
-    CuPy on GPU backends (cupy-cuda13x / cupy-rocm-7-0), NumPy under the simulator.
+    CuPy on GPU backends (cupy-cuda13x / cupy-rocm-7-0), NumPy under the
+    simulator, or with ``simulated_device`` the simulator's device array (what
+    device transports take there).
     """
     if is_simulator:
-        return np.array(host, copy=True)
+        return cuda.to_device(host) if simulated_device else np.array(host, copy=True)
     import cupy
 
     return cupy.asarray(host)
@@ -153,6 +157,8 @@ def host_copy(array) -> np.ndarray:
     """``array`` (from :func:`device_copy` or any device array) as a host NumPy array."""
     if isinstance(array, np.ndarray):
         return array.copy()
+    if hasattr(array, "copy_to_host"):  # Numba device arrays, the simulator's too
+        return array.copy_to_host()
     if hasattr(array, "get"):
         return array.get()
     return cuda.as_cuda_array(array).copy_to_host()

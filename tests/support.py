@@ -96,3 +96,59 @@ def cases(draw, *, max_world=8, max_heads=2, max_requests=3, max_query_len=3,
         seq_lens=seq_len_choices(rng, requests, query_len, global_blocks),
         world=world, topk=topk, query_len=query_len, global_blocks=global_blocks,
         init_blocks=init_blocks, local_blocks=local_blocks)
+
+
+# -- running ranks under mpiexec ---------------------------------------------------
+
+MPI_TIMEOUT_S = 120
+
+
+def find_mpiexec():
+    """``[mpiexec, flags...]``: the one beside sys.executable (a venv's, matching its MPI
+    wheel), else the first on PATH; None if there is none.
+
+    ``NUMBA_CP_MPIEXEC_FLAGS`` adds launcher flags (e.g. ``-launcher fork``).
+    """
+    import os
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        return None
+    flags = shlex.split(os.environ.get("NUMBA_CP_MPIEXEC_FLAGS", ""))
+    try:
+        version = subprocess.run([found, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    if "Open MPI" in version or "OpenRTE" in version:
+        flags.append("--oversubscribe")  # 4 ranks on a 2-core machine
+        if os.geteuid() == 0:
+            flags.append("--allow-run-as-root")
+    return [found, *flags]
+
+
+def run_mpiexec(command, *, env, cwd, timeout=MPI_TIMEOUT_S):
+    """Run an mpiexec command line; kill it and every rank it started if it outlives
+    ``timeout``. Returns ``(returncode, combined output)``; a hang fails the test."""
+    import os
+    import signal
+    import subprocess
+
+    import pytest
+
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env, cwd=str(cwd), start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(map(str, command[:4]))} ... hung for {timeout} s:\n"
+                    f"{output[-4000:]}")
+    return process.returncode, output

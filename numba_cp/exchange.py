@@ -1,0 +1,262 @@
+"""The CP candidate exchange as one persistent plan per communicator.
+
+    plan = CandidateExchange(comm, ExchangeConfig(heads=4, max_tokens=64, topk=16, ...))
+    topk_idx = plan(scores, seq_lens)            # pack -> all-gather -> merge
+    ...
+    plan.close()
+
+The plan owns every buffer the exchange touches (shard keys, gathered keys,
+``topk_idx``, the optional sparse block table) and its transport, all set up
+once; a call allocates nothing. Every rank packs every head; each rank merges
+either all heads or the contiguous slice it owns (as a tensor-parallel model
+shards index heads; replicated when ``heads < world``).
+
+Construction is collective: one small ``allgather`` checks that every rank
+passed the same configuration and raises the same ``ValueError`` on every rank
+(naming the differing field) instead of hanging in, or merging garbage from, a
+mismatched all-gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from .arrays import device_copy
+from .backend import is_simulator
+from .constants import MAX_GLOBAL_BLOCKS, MAX_TOPK, PAGES
+from .errors import RankAgreementError
+from .ops import local_topk_keys, merge_topk_keys
+from .transport import choose_transport, takes_device_arrays
+
+__all__ = ["ExchangeConfig", "CandidateExchange", "owned_heads"]
+
+
+@dataclass(frozen=True)
+class ExchangeConfig:
+    """What every rank of the CP group must agree on."""
+
+    heads: int
+    max_tokens: int
+    topk: int
+    world: int
+    global_blocks: int
+    init_blocks: int = 1
+    local_blocks: int = 2
+    query_len: int = 1
+    per_shard: int | None = None  # keys each rank contributes; default topk (exact)
+    sparse_table: bool = False  # also emit the paged sparse block table
+    block_page_stride: int | None = None
+    merge: str = "all"  # "all" heads on every rank, or "owned": this rank's slice
+
+    @property
+    def shard_keys(self) -> int:
+        return self.topk if self.per_shard is None else self.per_shard
+
+    def problems(self) -> list[str]:
+        """Local sanity checks (the kernels check the rest on every call)."""
+        out = []
+        for name in ("heads", "max_tokens", "topk", "world", "query_len"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.global_blocks < MAX_GLOBAL_BLOCKS:
+            out.append(f"global_blocks must be in [0, {MAX_GLOBAL_BLOCKS}), "
+                       f"got {self.global_blocks}")
+        if self.topk > MAX_TOPK or self.shard_keys > MAX_TOPK:
+            out.append(f"topk and per_shard must be <= {MAX_TOPK}")
+        if self.shard_keys < 1:
+            out.append(f"per_shard must be >= 1, got {self.per_shard}")
+        if self.max_tokens % self.query_len:
+            out.append(f"max_tokens ({self.max_tokens}) must be a multiple of query_len "
+                       f"({self.query_len})")
+        if self.init_blocks < 0 or self.local_blocks < 0:
+            out.append("init_blocks and local_blocks must be >= 0")
+        if self.merge not in ("all", "owned"):
+            out.append(f"merge must be 'all' or 'owned', got {self.merge!r}")
+        return out
+
+
+def owned_heads(heads: int, world: int, rank: int) -> range:
+    """The contiguous heads ``rank`` merges when heads are sharded over ranks.
+
+    ``heads >= world``: an even split (the first ``heads % world`` ranks take
+    one more); ``heads < world``: each head is replicated on ``world // heads``
+    (or one more) consecutive ranks, and a rank merges its one head.
+    """
+    if heads >= world:
+        base, extra = divmod(heads, world)
+        start = rank * base + min(rank, extra)
+        return range(start, start + base + (rank < extra))
+    head = rank * heads // world
+    return range(head, head + 1)
+
+
+def _agree(comm, config: ExchangeConfig, problems: list[str]) -> None:
+    """Raise the same ValueError on every rank unless every rank agrees."""
+    everyone = comm.allgather((dataclasses.astuple(config), problems))
+    bad = [(rank, p) for rank, (_, ps) in enumerate(everyone) for p in ps]
+    if bad:
+        raise RankAgreementError("CandidateExchange: " + "; ".join(
+            f"rank {r}: {p}" for r, p in bad))
+    names = [f.name for f in dataclasses.fields(ExchangeConfig)]
+    for i, name in enumerate(names):
+        values = {}
+        for rank, (fields, _) in enumerate(everyone):
+            values.setdefault(fields[i], []).append(rank)
+        if len(values) > 1:
+            detail = "; ".join(f"{value!r} on rank(s) {','.join(map(str, ranks))}"
+                               for value, ranks in values.items())
+            raise RankAgreementError(f"CandidateExchange: ranks disagree on {name}: {detail}")
+
+
+class CandidateExchange:
+    """pack -> all-gather -> merge (-> sparse block table) with persistent buffers.
+
+    Args:
+        comm: an mpi4py communicator of exactly ``config.world`` ranks.
+        config: the :class:`ExchangeConfig`, identical on every rank.
+        transport: a transport name to force (see :mod:`numba_cp.transport`);
+            default: the best one for this machine.
+        threads, sort_limit: kernel launch tuning, passed through.
+    """
+
+    def __init__(self, comm, config: ExchangeConfig, *, transport=None, threads=None,
+                 sort_limit=None):
+        problems = config.problems()
+        if comm.Get_size() != config.world:
+            problems.append(f"world is {config.world} but the communicator has "
+                            f"{comm.Get_size()} ranks")
+        _agree(comm, config, problems)
+        self.comm = comm
+        self.config = config
+        self.rank = comm.Get_rank()
+        self.launch = dict(threads=threads, sort_limit=sort_limit)
+        c = config
+        self.heads = (range(c.heads) if c.merge == "all"
+                      else owned_heads(c.heads, c.world, self.rank))
+        per_shard, merged = c.shard_keys, len(self.heads)
+        # Under the simulator, a device transport (forced, to exercise it on a CPU)
+        # is handed the simulator's device arrays.
+        self._transport_choice = transport
+        self._device_payload = not is_simulator or bool(takes_device_arrays(transport))
+        self.transport = choose_transport(comm, device=self._device_payload, force=transport)
+        self._transports = {}  # tokens -> transport set up for that payload
+        # Flat storage: the first `tokens` rows of every buffer form one contiguous
+        # [heads, tokens, ...] block, so calls with fewer tokens keep SPEC's layout.
+        place = self._place
+        self._send = place(np.zeros(c.heads * c.max_tokens * per_shard, np.int64))
+        self._recv = place(np.zeros(c.world * c.heads * c.max_tokens * per_shard, np.int64))
+        self._topk_idx = place(np.full(merged * c.max_tokens * c.topk, -1, np.int32))
+        self._sbt = self._ctx = None
+        if c.sparse_table:
+            self._sbt = place(np.zeros(merged * c.max_tokens * c.topk * PAGES, np.int32))
+            self._ctx = place(np.zeros(merged * c.max_tokens, np.int32))
+        self._views = {}
+
+    def _place(self, host):
+        return device_copy(host, simulated_device=self._device_payload)
+
+    # -- per-call views -------------------------------------------------------
+
+    def _views_for(self, tokens: int):
+        views = self._views.get(tokens)
+        if views is None:
+            c, per_shard, merged = self.config, self.config.shard_keys, len(self.heads)
+            if not 0 <= tokens <= c.max_tokens or tokens % c.query_len:
+                raise ValueError(f"scores: tokens must be a multiple of query_len in "
+                                 f"[0, {c.max_tokens}], got {tokens}")
+            send = self._send[:c.heads * tokens * per_shard].reshape(c.heads, tokens, per_shard)
+            recv = self._recv[:c.world * c.heads * tokens * per_shard].reshape(
+                c.world, c.heads, tokens, per_shard)
+            idx = self._topk_idx[:merged * tokens * c.topk].reshape(merged, tokens, c.topk)
+            sbt = ctx = None
+            if c.sparse_table:
+                sbt = self._sbt[:merged * tokens * c.topk * PAGES].reshape(
+                    merged, tokens, c.topk * PAGES)
+                ctx = self._ctx[:merged * tokens].reshape(merged, tokens)
+            keys_to_merge = recv[:, self.heads.start:self.heads.stop]
+            views = self._views[tokens] = (send, recv, keys_to_merge, idx, sbt, ctx)
+        return views
+
+    def _transport_for(self, tokens: int):
+        """Transports are set up per payload size; the first is the plan's own."""
+        transport = self._transports.get(tokens)
+        if transport is None:
+            c = self.config
+            transport = (self.transport if not self._transports else
+                         choose_transport(self.comm, device=self._device_payload,
+                                          force=self._transport_choice))
+            transport.setup((c.heads, tokens, c.shard_keys), np.int64)
+            self._transports[tokens] = transport
+        return transport
+
+    # -- stages -----------------------------------------------------------------
+
+    def pack(self, scores, seq_lens, *, stream=None):
+        """This rank's shard ``[heads, tokens, local]`` -> its keys (the send buffer)."""
+        c = self.config
+        tokens = scores.shape[1] if len(scores.shape) == 3 else -1
+        send = self._views_for(tokens)[0]
+        local_topk_keys(scores, seq_lens, topk=c.shard_keys, rank=self.rank, world=c.world,
+                        query_len=c.query_len, global_blocks=c.global_blocks,
+                        init_blocks=c.init_blocks, local_blocks=c.local_blocks, out=send,
+                        stream=stream, **self.launch)
+        return send
+
+    def all_gather(self, tokens: int, *, stream=None):
+        """Every rank's keys -> the gathered buffer ``[world, heads, tokens, per_shard]``.
+
+        Collective: every rank must call it with the same ``tokens``.
+        """
+        send, recv = self._views_for(tokens)[:2]
+        return self._transport_for(tokens).all_gather(send, recv, stream=stream)
+
+    def merge(self, seq_lens, tokens: int, *, attention_block_table=None, stream=None):
+        """Gathered keys -> ``topk_idx`` of this rank's heads (and the sparse table)."""
+        c = self.config
+        _, _, keys, idx, sbt, ctx = self._views_for(tokens)
+        if c.sparse_table and attention_block_table is None:
+            raise ValueError("attention_block_table is required: the plan was built with "
+                             "sparse_table=True")
+        if not c.sparse_table and attention_block_table is not None:
+            raise ValueError("attention_block_table given, but the plan was built with "
+                             "sparse_table=False")
+        tables = {}
+        if c.sparse_table:
+            tables = dict(attention_block_table=attention_block_table,
+                          sparse_block_table_out=sbt, sparse_context_lens_out=ctx,
+                          block_page_stride=c.block_page_stride)
+        merge_topk_keys(keys, idx, seq_lens, query_len=c.query_len, init_blocks=c.init_blocks,
+                        local_blocks=c.local_blocks, stream=stream, **tables, **self.launch)
+        return (idx, sbt, ctx) if c.sparse_table else idx
+
+    def __call__(self, scores, seq_lens, *, attention_block_table=None, stream=None):
+        """The whole exchange. Returns ``topk_idx`` ``[merged heads, tokens, topk]``,
+        or ``(topk_idx, sparse_block_table, context_lens)`` with ``sparse_table``."""
+        self.pack(scores, seq_lens, stream=stream)
+        tokens = scores.shape[1]
+        self.all_gather(tokens, stream=stream)
+        return self.merge(seq_lens, tokens, attention_block_table=attention_block_table,
+                          stream=stream)
+
+    # -- life cycle ---------------------------------------------------------------
+
+    def close(self):
+        for transport in self._transports.values():
+            transport.teardown()
+        self._transports.clear()
+        self._views.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+        return False
+
+    def describe(self) -> str:
+        t = self.transport
+        reason = f" ({t.reason})" if getattr(t, "reason", "") else ""
+        return f"{t.name}{reason}"

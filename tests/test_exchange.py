@@ -1,0 +1,158 @@
+"""The exchange plan and the main job under mpiexec, against the unsharded oracle.
+
+Single-process tests drive CandidateExchange on COMM_SELF; multi-rank tests run
+launch/exchange.py (the job users run) under ``mpiexec -n N`` on the simulator
+and read its JSON, which names the world size it saw: a launcher/MPI-library
+mismatch that silently runs N singletons fails here.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MPI = pytest.importorskip("mpi4py.MPI")
+
+from numba_cp import reference as ref  # noqa: E402
+from numba_cp.errors import RankAgreementError  # noqa: E402
+from numba_cp.exchange import CandidateExchange, ExchangeConfig, owned_heads  # noqa: E402
+from support import find_mpiexec, run_mpiexec, to_device, to_host  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "launch" / "exchange.py"
+SMALL = ["--heads", "2", "--batch", "3", "--context", "4K", "--topk", "8", "--iters", "1",
+         "--warmup", "0"]
+
+pytestmark = pytest.mark.timeout(200)
+
+
+@pytest.fixture(scope="module")
+def mpiexec():
+    command = find_mpiexec()
+    if command is None:
+        pytest.skip("no mpiexec beside sys.executable or on PATH")
+    return command
+
+
+def job(mpiexec, n, *args, env=None, tmp_path=None, mpmd=None):
+    environment = {k: v for k, v in os.environ.items() if k != "NUMBA_CP_TRANSPORT"}
+    environment.update(NUMBA_CP_BACKEND="sim", PYTHONUNBUFFERED="1", **(env or {}))
+    command = [*mpiexec, "-n", str(n), sys.executable, str(JOB), *args]
+    for extra_n, extra_args in mpmd or []:
+        command += [":", "-n", str(extra_n), sys.executable, str(JOB), *extra_args]
+    return run_mpiexec(command, env=environment, cwd=ROOT)
+
+
+@pytest.mark.parametrize("n, extra", [
+    (1, []),
+    (2, ["--sparse-table", "--heads", "1", "--topk", "6"]),
+    (3, ["--merge", "owned", "--query-len", "2"]),  # heads 2 < world 3: replicated heads
+    (4, ["--merge", "owned", "--heads", "5", "--sparse-table"]),
+])
+def test_main_job_is_exact_for_each_world(mpiexec, tmp_path, n, extra):
+    out = tmp_path / "result.json"
+    status, output = job(mpiexec, n, *SMALL, *extra, "--json", str(out))
+    assert status == 0, output[-4000:]
+    result = json.loads(out.read_text())
+    assert result["world"] == n, "ranks ran as singletons: mpiexec and mpi4py's MPI differ"
+    assert result["exact"] is True
+    assert result["transport"].startswith("host")
+    assert set(result["stages"]) == {"pack", "all_gather", "merge", "total"}
+    assert "EXACT" in output and "median us" in output
+
+
+def test_staged_transport_path_is_exact(mpiexec, tmp_path):
+    out = tmp_path / "staged.json"
+    status, output = job(mpiexec, 3, *SMALL, "--sparse-table", "--heads", "1", "--json",
+                         str(out), env={"NUMBA_CP_TRANSPORT": "staged"})
+    assert status == 0, output[-4000:]
+    result = json.loads(out.read_text())
+    assert result["exact"] is True and result["transport"].startswith("staged")
+
+
+def test_mismatched_configuration_fails_on_every_rank(mpiexec):
+    status, output = job(mpiexec, 1, *SMALL, mpmd=[(2, [*SMALL[:-4], "--topk", "9",
+                                                        "--iters", "1", "--warmup", "0"])])
+    assert status != 0
+    for rank in range(3):
+        assert (f"rank {rank}: RankAgreementError: CandidateExchange: ranks disagree on topk: "
+                "8 on rank(s) 0; 9 on rank(s) 1,2") in output, output[-4000:]
+
+
+def test_a_failing_rank_ends_the_job(mpiexec):
+    status, output = job(mpiexec, 3, *SMALL, "--fail-rank", "2")
+    assert status != 0
+    assert "--fail-rank 2: failing on purpose" in output
+
+
+def test_sweep_writes_every_context(mpiexec, tmp_path):
+    out = tmp_path / "sweep.json"
+    status, output = job(mpiexec, 2, *SMALL, "--sweep-context", "2K,4K", "--json", str(out))
+    assert status == 0, output[-4000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["context"] for r in runs] == [2048, 4096]
+    assert "[2/2] context 4096" in output
+
+
+# -- the plan itself, in one process ---------------------------------------------------
+
+def small_config(**change):
+    config = dict(heads=3, max_tokens=4, topk=5, world=1, global_blocks=20, init_blocks=1,
+                  local_blocks=1, query_len=2)
+    config.update(change)
+    return ExchangeConfig(**config)
+
+
+def test_plan_on_one_rank_with_fewer_tokens_than_planned():
+    comm = MPI.COMM_SELF
+    config = small_config(sparse_table=True)
+    rng = np.random.default_rng(4)
+    full = rng.standard_normal((3, 2, 20)).astype(np.float32)  # 2 tokens of the 4 planned
+    seq = np.array([20 * 128], np.int32)
+    table = rng.integers(0, 99, size=(1, 20), dtype=np.int32)
+    with CandidateExchange(comm, config, threads=4) as plan:
+        for _ in range(2):  # the second call reuses every buffer
+            idx, sbt, ctx = plan(to_device(full), to_device(seq),
+                                 attention_block_table=to_device(table))
+    want = ref.global_topk(full, seq, topk=5, query_len=2, global_blocks=20, init_blocks=1,
+                           local_blocks=1)
+    np.testing.assert_array_equal(to_host(idx), want)
+    want_sbt, want_ctx = ref.sparse_block_table(want, seq, table, query_len=2)
+    np.testing.assert_array_equal(to_host(sbt), want_sbt)
+    np.testing.assert_array_equal(to_host(ctx), want_ctx)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(world=2), "world is 2 but the communicator has 1 ranks"),
+    (dict(topk=0), "topk must be >= 1"),
+    (dict(max_tokens=3), "multiple of query_len"),
+    (dict(global_blocks=70000), "global_blocks"),
+    (dict(merge="some"), "merge must be"),
+])
+def test_plan_rejects_bad_configuration(change, message):
+    with pytest.raises(RankAgreementError, match=message):
+        CandidateExchange(MPI.COMM_SELF, small_config(**change))
+
+
+def test_plan_rejects_misused_table_and_token_counts():
+    with CandidateExchange(MPI.COMM_SELF, small_config()) as plan:
+        scores = to_device(np.zeros((3, 6, 20), np.float32))
+        with pytest.raises(ValueError, match="tokens"):
+            plan.pack(scores, to_device(np.zeros(3, np.int32)))
+        with pytest.raises(ValueError, match="attention_block_table"):
+            plan.merge(to_device(np.zeros(2, np.int32)), 4,
+                       attention_block_table=to_device(np.zeros((2, 20), np.int32)))
+
+
+@pytest.mark.parametrize("heads, world", [(8, 4), (5, 4), (2, 4), (3, 8), (1, 3)])
+def test_owned_heads_cover_every_head(heads, world):
+    slices = [owned_heads(heads, world, r) for r in range(world)]
+    covered = sorted({h for s in slices for h in s})
+    assert covered == list(range(heads))
+    assert all(len(s) >= 1 for s in slices)
+    if heads >= world:  # an even, disjoint split
+        assert sum(len(s) for s in slices) == heads
+        assert max(len(s) for s in slices) - min(len(s) for s in slices) <= 1
