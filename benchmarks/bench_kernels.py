@@ -1,0 +1,318 @@
+"""Kernel benchmark on one GPU: device time (CUDA-graph replay), eager time, PyTorch baseline.
+
+    NUMBA_CP_BACKEND=cuda python benchmarks/bench_kernels.py --json bench.json [--cases a,b]
+
+For each case of issue 4 (heads 4 unless stated; seq_lens uniform in
+[context/2, context] with the first request at context; standard-normal scores;
+init_blocks 1, local_blocks 2):
+
+* ``pack``: ``local_topk_keys`` on rank 0's shard; ``merge``: ``merge_topk_keys`` on
+  the gathered keys of all ranks (case g: heads 1, with the sparse block table).
+* ``device us``: N calls captured in one CUDA graph on a CuPy stream and replayed;
+  time per call, so launch cost is excluded.
+* ``eager us``: Python call -> work queued, CuPy arrays in, over many calls.
+* ``torch``: the same exchange written in plain PyTorch (int64 key packing +
+  ``torch.topk``), graph-replayed and eager, plus ``torch.topk`` over the full
+  unsharded forced rows (float scores, no sharding) as the single-GPU reference.
+
+Every result is verified against numba_cp.reference in the same run. Prints a
+table and writes JSON. Speed is only ever measured here, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numba_cp  # noqa: E402
+from numba_cp import reference as ref  # noqa: E402
+from numba_cp.arrays import host_copy  # noqa: E402
+from numba_cp.constants import INIT_SCORE, LOCAL_SCORE, PAGES  # noqa: E402
+from numba_cp.kernels.keys import ORDERED_INIT, ORDERED_LOCAL  # noqa: E402
+from numba_cp.workload import decode_workload  # noqa: E402
+
+K = 1024
+CASES = {  # context, world, topk, batch, query_len, heads, table, pack/merge targets (us)
+    "a": (32 * K, 4, 16, 64, 1, 4, False, 1.7, 1.8),
+    "b": (128 * K, 4, 16, 64, 1, 4, False, 2.2, 1.7),
+    "c": (128 * K, 4, 32, 64, 4, 4, False, 5.5, 4.7),
+    "d": (512 * K, 8, 64, 64, 1, 4, False, 4.2, 4.2),
+    "e": (1024 * K, 4, 128, 32, 1, 4, False, 6.0, 3.2),
+    "f": (128 * K, 8, 16, 256, 1, 4, False, 4.3, 4.2),
+    "g": (128 * K, 4, 32, 64, 1, 1, True, None, 2.0),
+}
+INIT_BLOCKS, LOCAL_BLOCKS = 1, 2
+
+
+def device_us(call, stream, per_graph, replays):
+    """Per-call device time of ``call(stream)``: a graph of ``per_graph`` calls, replayed."""
+    import cupy
+
+    call(stream)  # compile and warm outside the capture
+    stream.synchronize()
+    stream.begin_capture()
+    for _ in range(per_graph):
+        call(stream)
+    graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    for _ in range(replays):
+        graph.launch(stream)
+    stop.record(stream)
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / (per_graph * replays)
+
+
+def eager_us(call, stream, calls):
+    call(stream)
+    stream.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call(stream)
+    stream.synchronize()
+    return (time.perf_counter() - start) * 1e6 / calls
+
+
+class TorchExchange:
+    """The exchange in plain PyTorch: a baseline, exact because keys are unique."""
+
+    def __init__(self, torch, work, world, topk, rank=0):
+        self.t = torch
+        dev = "cuda"
+        self.world, self.topk, self.rank = world, topk, rank
+        self.ql = work.query_len
+        self.gb = work.global_blocks
+        tokens = work.tokens
+        self.request = torch.arange(tokens, device=dev) // self.ql
+        self.t_in_req = torch.arange(tokens, device=dev) % self.ql
+        # constants made before any graph capture (a host->device copy can't be captured)
+        self.init_score = torch.tensor(float(INIT_SCORE), device=dev)
+        self.local_score = torch.tensor(float(LOCAL_SCORE), device=dev)
+        self.minus_inf = torch.tensor(float("-inf"), device=dev)
+
+    def window(self, seq_lens):
+        t = self.t
+        causal = seq_lens.long()[self.request] - self.ql + self.t_in_req + 1
+        valid = t.clamp((causal + 127) // 128, min=0)
+        return valid, t.clamp(valid - LOCAL_BLOCKS, min=0)
+
+    def ordered(self, bits):
+        t = self.t
+        bits = t.where(bits == 0x80000000, t.zeros_like(bits), bits)
+        ordered = t.where((bits & 0x80000000) != 0, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+        return t.where((bits & 0x7FFFFFFF) > 0x7F800000, t.zeros_like(ordered), ordered)
+
+    def pack(self, scores, seq_lens):
+        t = self.t
+        local = scores.shape[2]
+        g = t.arange(local, device=scores.device) * self.world + self.rank
+        valid, local_start = self.window(seq_lens)
+        s = t.where(g < INIT_BLOCKS, self.init_score, scores)
+        s = t.where(g[None, :] >= local_start[:, None], self.local_score, s)
+        bits = s.view(t.int32).long() & 0xFFFFFFFF
+        key = (1 << 48) | (self.ordered(bits) << 16) | (g + 1)
+        ok = (g[None, :] < valid[:, None]) & (g < self.gb)
+        key = t.where(ok, key, t.zeros_like(key))
+        return t.topk(key, min(self.topk, local), dim=-1).values
+
+    def merge(self, keys, seq_lens):
+        t = self.t
+        w, h, tokens, k = keys.shape
+        flat = keys.permute(1, 2, 0, 3).reshape(h, tokens, w * k)
+        valid, local_start = self.window(seq_lens)
+        block = (flat & 0xFFFF) - 1
+        ordered = (flat >> 16) & 0xFFFFFFFF
+        bits = t.where((ordered & 0x80000000) != 0, ordered ^ 0x80000000, ordered ^ 0xFFFFFFFF)
+        ordered = self.ordered(bits)
+        ordered = t.where(block < INIT_BLOCKS, t.full_like(ordered, ORDERED_INIT), ordered)
+        ordered = t.where(block >= local_start[:, None], t.full_like(ordered, ORDERED_LOCAL),
+                          ordered)
+        rekey = t.where(flat != 0, (1 << 48) | (ordered << 16) | (block + 1),
+                        t.zeros_like(flat))
+        top = t.topk(rekey, self.topk, dim=-1).values
+        j = t.arange(self.topk, device=flat.device)
+        keep = (top != 0) & (j[None, None, :] < t.clamp(valid, max=self.topk)[None, :, None])
+        return t.where(keep, (top & 0xFFFF) - 1, t.full_like(top, -1)).int()
+
+    def full_topk(self, full, seq_lens):
+        """torch.topk over the unsharded forced rows (float scores)."""
+        t = self.t
+        g = t.arange(full.shape[2], device=full.device)
+        valid, local_start = self.window(seq_lens)
+        s = t.where(g < INIT_BLOCKS, self.init_score, full)
+        s = t.where(g[None, :] >= local_start[:, None], self.local_score, s)
+        s = t.where(g[None, :] < valid[:, None], s, self.minus_inf)
+        return t.topk(s, self.topk, dim=-1).indices
+
+
+def torch_times(torch, fn, per_graph, replays, calls):
+    """(device us via torch.cuda.graph replay, eager us) of ``fn()``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    device = start.elapsed_time(stop) * 1e3 / (per_graph * replays)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return device, (time.perf_counter() - t0) * 1e6 / calls
+
+
+def run_case(name, args, torch):
+    import cupy
+
+    context, world, topk, batch, query_len, heads, table_on, pack_target, merge_target = \
+        CASES[name]
+    work = decode_workload(heads=heads, batch=batch, query_len=query_len, context=context,
+                           seed=args.seed)
+    window = dict(query_len=query_len, init_blocks=INIT_BLOCKS, local_blocks=LOCAL_BLOCKS)
+    shard_args = dict(window, world=world, global_blocks=work.global_blocks)
+    tokens = work.tokens
+    shards = [cupy.asarray(ref.shard_scores(work.full_scores, rank=r, world=world,
+                                            global_blocks=work.global_blocks))
+              for r in range(world)]
+    seq_lens = cupy.asarray(work.seq_lens)
+    gathered = cupy.zeros((world, heads, tokens, topk), cupy.int64)
+    for r in range(world):
+        numba_cp.local_topk_keys(shards[r], seq_lens, topk=topk, rank=r, out=gathered[r],
+                                 **shard_args)
+    out = gathered[0].copy()
+    topk_idx = cupy.zeros((heads, tokens, topk), cupy.int32)
+    tables = {}
+    host_table = None
+    if table_on:
+        host_table = np.random.default_rng(args.seed + 1).integers(
+            0, 1 << 20, size=(batch, work.global_blocks), dtype=np.int32)
+        tables = dict(attention_block_table=cupy.asarray(host_table),
+                      sparse_block_table_out=cupy.zeros((tokens, topk * PAGES), cupy.int32),
+                      sparse_context_lens_out=cupy.zeros((tokens,), cupy.int32))
+
+    def pack(stream):
+        numba_cp.local_topk_keys(shards[0], seq_lens, topk=topk, rank=0, out=out,
+                                 stream=stream, **shard_args)
+
+    def merge(stream):
+        numba_cp.merge_topk_keys(gathered, topk_idx, seq_lens, stream=stream, **window,
+                                 **tables)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    row = dict(case=name, context=context, world=world, topk=topk, batch=batch,
+               query_len=query_len, heads=heads, sparse_table=table_on,
+               pack_target_us=pack_target, merge_target_us=merge_target)
+    with stream:
+        if not table_on:
+            row["pack_device_us"] = device_us(pack, stream, args.per_graph, args.replays)
+            row["pack_eager_us"] = eager_us(pack, stream, args.calls)
+        row["merge_device_us"] = device_us(merge, stream, args.per_graph, args.replays)
+        row["merge_eager_us"] = eager_us(merge, stream, args.calls)
+        stream.synchronize()
+
+    # verify what the timed calls produced
+    shard0 = ref.shard_scores(work.full_scores, rank=0, world=world,
+                              global_blocks=work.global_blocks)
+    want_keys = ref.local_topk_keys(shard0, work.seq_lens, topk=topk, rank=0, **shard_args)
+    unsharded = ref.global_topk(work.full_scores, work.seq_lens, topk=topk,
+                                global_blocks=work.global_blocks, **window)
+    exact = bool(np.array_equal(host_copy(out), want_keys)) and bool(
+        np.array_equal(host_copy(topk_idx), unsharded))
+    if table_on:
+        want_sbt, want_ctx = ref.sparse_block_table(unsharded, work.seq_lens, host_table,
+                                                    query_len=query_len)
+        exact &= bool(np.array_equal(host_copy(tables["sparse_block_table_out"]), want_sbt[0]))
+        exact &= bool(np.array_equal(host_copy(tables["sparse_context_lens_out"]), want_ctx[0]))
+    row["exact"] = exact
+
+    if torch is not None:
+        tx = TorchExchange(torch, work, world, topk)
+        t_shard = torch.as_tensor(shards[0], device="cuda")
+        t_seq = torch.as_tensor(seq_lens, device="cuda")
+        t_keys = torch.as_tensor(gathered, device="cuda")
+        t_full = torch.as_tensor(cupy.asarray(work.full_scores), device="cuda")
+        row["torch_pack_device_us"], row["torch_pack_eager_us"] = torch_times(
+            torch, lambda: tx.pack(t_shard, t_seq), args.per_graph, args.replays, args.calls)
+        row["torch_merge_device_us"], row["torch_merge_eager_us"] = torch_times(
+            torch, lambda: tx.merge(t_keys, t_seq), args.per_graph, args.replays, args.calls)
+        row["torch_full_topk_device_us"], row["torch_full_topk_eager_us"] = torch_times(
+            torch, lambda: tx.full_topk(t_full, t_seq), args.per_graph, args.replays,
+            args.calls)
+        row["torch_exact"] = bool(
+            np.array_equal(tx.pack(t_shard, t_seq).cpu().numpy()[..., :topk], want_keys)
+            and np.array_equal(tx.merge(t_keys, t_seq).cpu().numpy(), unsharded))
+    return row
+
+
+def fmt(value):
+    return "-" if value is None else f"{value:.1f}"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    p.add_argument("--per-graph", type=int, default=50, help="calls captured per graph")
+    p.add_argument("--replays", type=int, default=20, help="graph replays timed")
+    p.add_argument("--calls", type=int, default=200, help="eager calls timed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if numba_cp.backend.is_simulator:
+        raise SystemExit("bench_kernels.py times a GPU: run it with NUMBA_CP_BACKEND=cuda "
+                         "(or hip) on a GPU node")
+    torch = None
+    if not args.no_torch:
+        try:
+            import torch
+        except ImportError:
+            print("PyTorch not installed: no baseline", file=sys.stderr)
+    rows = []
+    for name in args.cases.split(","):
+        rows.append(run_case(name.strip(), args, torch))
+        print(f"case {name} done", file=sys.stderr, flush=True)
+    cols = [("case", "case"), ("pack dev", "pack_device_us"), ("target", "pack_target_us"),
+            ("pack eager", "pack_eager_us"), ("merge dev", "merge_device_us"),
+            ("target", "merge_target_us"), ("merge eager", "merge_eager_us"),
+            ("torch pack", "torch_pack_device_us"), ("torch merge", "torch_merge_device_us"),
+            ("torch full", "torch_full_topk_device_us"), ("exact", "exact")]
+    print(f"backend {numba_cp.backend.describe()}; times in us per call; dev = CUDA-graph "
+          "replay, eager = Python call to queued work")
+    print("  ".join(f"{h:>11}" for h, _ in cols))
+    for row in rows:
+        cells = []
+        for _, key in cols:
+            v = row.get(key)
+            cells.append(f"{v!s:>11}" if isinstance(v, (str, bool)) else f"{fmt(v):>11}")
+        print("  ".join(cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(backend=numba_cp.backend.describe(), date=time.strftime("%Y-%m-%d"),
+                           argv=sys.argv[1:], rows=rows), f, indent=2)
+    return 0 if all(r["exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
