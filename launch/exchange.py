@@ -17,6 +17,7 @@ simulator, where the same run finishes in seconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -175,13 +176,7 @@ def run_once(comm, args, work: Workload):
                    for i, stage in enumerate(STAGES)}
     exact = comm.bcast(exact, root=0)
     return dict(context=int(work.global_blocks * 128), exact=exact, transport=transport,
-                stages=summary, config=dataclass_dict(config))
-
-
-def dataclass_dict(config):
-    import dataclasses
-
-    return dataclasses.asdict(config)
+                stages=summary, config=dataclasses.asdict(config))
 
 
 def check(gathered, work, args, table) -> bool:
@@ -200,7 +195,7 @@ def check(gathered, work, args, table) -> bool:
     return ok
 
 
-def print_table(result, world):
+def print_table(result):
     print(f"{'stage':<12}{'median us':>12}{'p90 us':>12}")
     for stage in STAGES:
         s = result["stages"][stage]
@@ -255,7 +250,7 @@ def main(argv=None) -> int:
                   f"merge={c['merge']} sparse_table={c['sparse_table']} ranks on {device}")
             print("EXACT: merged top-k equals the unsharded oracle" if result["exact"] else
                   "INEXACT: merged top-k differs from the unsharded oracle")
-            print_table(result, world)
+            print_table(result)
     exact = all(r["exact"] for r in results)
     if rank == 0:
         if args.json:

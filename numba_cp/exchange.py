@@ -165,8 +165,8 @@ class CandidateExchange:
         if views is None:
             c, per_shard, merged = self.config, self.config.shard_keys, len(self.heads)
             if not 0 <= tokens <= c.max_tokens or tokens % c.query_len:
-                raise ValueError(f"scores: tokens must be a multiple of query_len in "
-                                 f"[0, {c.max_tokens}], got {tokens}")
+                raise ValueError(f"tokens (scores.shape[1]) must be a multiple of query_len "
+                                 f"({c.query_len}) in [0, {c.max_tokens}], got {tokens}")
             send = self._send[:c.heads * tokens * per_shard].reshape(c.heads, tokens, per_shard)
             recv = self._recv[:c.world * c.heads * tokens * per_shard].reshape(
                 c.world, c.heads, tokens, per_shard)

@@ -19,7 +19,7 @@ MPI = pytest.importorskip("mpi4py.MPI")
 from numba_cp import reference as ref  # noqa: E402
 from numba_cp.errors import RankAgreementError  # noqa: E402
 from numba_cp.exchange import CandidateExchange, ExchangeConfig, owned_heads  # noqa: E402
-from support import find_mpiexec, run_mpiexec, to_device, to_host  # noqa: E402
+from support import run_mpiexec, to_device, to_host  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "launch" / "exchange.py"
@@ -27,14 +27,6 @@ SMALL = ["--heads", "2", "--batch", "3", "--context", "4K", "--topk", "8", "--it
          "--warmup", "0"]
 
 pytestmark = pytest.mark.timeout(200)
-
-
-@pytest.fixture(scope="module")
-def mpiexec():
-    command = find_mpiexec()
-    if command is None:
-        pytest.skip("no mpiexec beside sys.executable or on PATH")
-    return command
 
 
 def job(mpiexec, n, *args, env=None, tmp_path=None, mpmd=None):

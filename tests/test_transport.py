@@ -24,7 +24,7 @@ MPI = pytest.importorskip("mpi4py.MPI")
 from numba_cp import backend  # noqa: E402
 from numba_cp import transport as T  # noqa: E402
 from numba_cp.backend import cuda  # noqa: E402
-from support import find_mpiexec, run_mpiexec  # noqa: E402
+from support import run_mpiexec  # noqa: E402
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -354,14 +354,6 @@ def test_device_validation(cls):
 
 # ---------------------------------------------------------------------------
 # Many ranks, under mpiexec
-
-
-@pytest.fixture(scope="module")
-def mpiexec():
-    command = find_mpiexec()
-    if command is None:
-        pytest.skip("no mpiexec beside sys.executable or on PATH")
-    return command
 
 
 def run_ranks(mpiexec, n, tmp_path, *args, env=None):
