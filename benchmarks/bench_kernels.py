@@ -212,18 +212,34 @@ def run_case(name, args, torch):
                       sparse_block_table_out=cupy.zeros((tokens, topk * PAGES), cupy.int32),
                       sparse_context_lens_out=cupy.zeros((tokens,), cupy.int32))
 
+    launch = {}
+
     def pack(stream):
         numba_cp.local_topk_keys(shards[0], seq_lens, topk=topk, rank=0, out=out,
-                                 stream=stream, **shard_args)
+                                 stream=stream, **shard_args, **launch)
 
     def merge(stream):
         numba_cp.merge_topk_keys(gathered, topk_idx, seq_lens, stream=stream, **window,
-                                 **tables)
+                                 **tables, **launch)
 
     stream = cupy.cuda.Stream(non_blocking=True)
     row = dict(case=name, context=context, world=world, topk=topk, batch=batch,
                query_len=query_len, heads=heads, sparse_table=table_on,
                pack_target_us=pack_target, merge_target_us=merge_target)
+    if args.sweep_launch:
+        # device time per launch shape; results never depend on it
+        sweep = []
+        with stream:
+            for threads in (32, 64, 128, 256):
+                for sort_limit in (64, 256, 1024, 2048):
+                    launch.update(threads=threads, sort_limit=sort_limit)
+                    entry = dict(threads=threads, sort_limit=sort_limit)
+                    if not table_on:
+                        entry["pack_device_us"] = device_us(pack, stream, 20, 5)
+                    entry["merge_device_us"] = device_us(merge, stream, 20, 5)
+                    sweep.append(entry)
+        row["launch_sweep"] = sweep
+        launch.clear()
     with stream:
         if not table_on:
             row["pack_device_us"] = device_us(pack, stream, args.per_graph, args.replays)
@@ -278,6 +294,8 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=200, help="eager calls timed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    p.add_argument("--sweep-launch", action="store_true",
+                   help="also time every threads x sort_limit launch shape per case")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if numba_cp.backend.is_simulator:
@@ -307,6 +325,13 @@ def main(argv=None):
             v = row.get(key)
             cells.append(f"{v!s:>11}" if isinstance(v, (str, bool)) else f"{fmt(v):>11}")
         print("  ".join(cells))
+    for row in rows:
+        for stage in ("pack", "merge"):
+            timed = [e for e in row.get("launch_sweep", []) if f"{stage}_device_us" in e]
+            if timed:
+                best = min(timed, key=lambda e: e[f"{stage}_device_us"])
+                print(f"case {row['case']} {stage}: best {best[f'{stage}_device_us']:.1f} us "
+                      f"at threads={best['threads']} sort_limit={best['sort_limit']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(backend=numba_cp.backend.describe(), date=time.strftime("%Y-%m-%d"),
