@@ -114,6 +114,9 @@ def _contiguous_strides(shape, itemsize):
     return tuple(reversed(strides))
 
 
+_EXTERNAL_STREAMS: dict = {}
+
+
 def resolve_stream(stream):
     """The stream kernels launch on: ``stream`` if given, else CuPy's current one.
 
@@ -134,7 +137,12 @@ def resolve_stream(stream):
             stream = getattr(stream, attribute)
             break
     if isinstance(stream, (int, np.integer)):
-        return cuda.external_stream(int(stream)) if stream else cuda.default_stream()
+        handle = int(stream)
+        wrapped = _EXTERNAL_STREAMS.get(handle)
+        if wrapped is None:  # a wrapper is only a handle: make each once
+            wrapped = cuda.external_stream(handle) if handle else cuda.default_stream()
+            _EXTERNAL_STREAMS[handle] = wrapped
+        return wrapped
     raise TypeError(f"stream: expected a Numba, CuPy or PyTorch stream or an int handle, "
                     f"got {type(stream).__name__}")
 

@@ -2,16 +2,18 @@
 
 Both functions are graph safe: with the output buffers given they allocate
 nothing on the device, copy nothing to the host and decide only from shapes
-and keyword arguments (SPEC.md, "Graph safety").
+and keyword arguments (SPEC.md, "Graph safety"). Validation runs once per
+argument signature (dtypes, shapes, strides, scalars); see :mod:`.launcher`.
 """
 
 from __future__ import annotations
 
 from . import validate
-from .arrays import as_kernel_array, resolve_stream, with_leading_axis
+from .arrays import as_kernel_array, with_leading_axis
 from .backend import is_simulator
 from .constants import MAX_GLOBAL_BLOCKS, MAX_TOPK, PAGES
 from .kernels.topk import merge_sparse_table_kernel, merge_topk_kernel, shard_topk_kernel
+from .launcher import KernelLaunch, LaunchCache, array_signature, context_token
 
 __all__ = ["local_topk_keys", "merge_topk_keys", "DEFAULT_THREADS", "DEFAULT_SORT_LIMIT"]
 
@@ -19,6 +21,39 @@ __all__ = ["local_topk_keys", "merge_topk_keys", "DEFAULT_THREADS", "DEFAULT_SOR
 DEFAULT_THREADS = 8 if is_simulator else 128
 # Up to this many candidates are sorted outright; beyond it, radix select first.
 DEFAULT_SORT_LIMIT = 64 if is_simulator else 1024
+
+
+_SHARD_LAUNCHES = LaunchCache()
+_MERGE_LAUNCHES = LaunchCache()
+
+
+class _NoWork:
+    """The launch for an empty grid (no heads or no tokens)."""
+
+    def __call__(self, objects, stream=None):
+        return None
+
+
+def _signature(arrays, scalars):
+    """Cache key of a call, or None when an argument cannot be keyed (then: no cache).
+
+    Scalars are keyed with their types: 2.0 == 2 and True == 1, yet they
+    validate differently.
+    """
+    keyed = []
+    for array in arrays:
+        if array is None:
+            keyed.append(None)
+            continue
+        signature = array_signature(array)
+        if signature is None:
+            return None
+        keyed.append(signature)
+    try:
+        return (tuple(keyed), tuple((type(v), v) for v in scalars), hash(tuple(scalars)),
+                context_token())
+    except TypeError:  # an unhashable scalar: let validation name it
+        return None
 
 
 def _next_pow2(n: int) -> int:
@@ -61,6 +96,21 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
     Returns:
         ``out``.
     """
+    arrays = (scores, seq_lens, out)
+    scalars = (topk, rank, world, query_len, global_blocks, init_blocks, local_blocks, threads,
+               sort_limit)
+    key = _signature(arrays, scalars)
+    launch = _SHARD_LAUNCHES.get(key) if key is not None else None
+    if launch is None:
+        launch = _plan_local_topk(arrays, *scalars)
+        if key is not None:
+            _SHARD_LAUNCHES.remember(key, launch)
+    launch(arrays, stream)
+    return out
+
+
+def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_blocks,
+                     local_blocks, threads, sort_limit):
     topk = validate.integer("topk", topk, low=1, high=MAX_TOPK + 1)
     world = validate.integer("world", world, low=1)
     rank = validate.integer("rank", rank, low=0, high=world)
@@ -70,9 +120,8 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
     init_blocks = validate.integer("init_blocks", init_blocks, low=0)
     local_blocks = validate.integer("local_blocks", local_blocks, low=0)
 
-    scores_a = as_kernel_array(scores, "scores")
-    seq_lens_a = as_kernel_array(seq_lens, "seq_lens")
-    out_a = as_kernel_array(out, "out")
+    scores_a, seq_lens_a, out_a = (as_kernel_array(a, name) for a, name in
+                                   zip(arrays, ("scores", "seq_lens", "out")))
     validate.dtype(scores_a, "float32")
     validate.ndim(scores_a, 3)
     validate.dtype(out_a, "int64")
@@ -86,14 +135,13 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
                           "local columns: ceil(global_blocks / world)")
 
     threads, capacity = _launch_shape(topk, -(-global_blocks // world), threads, sort_limit)
-    if heads and tokens:
-        kernel = shard_topk_kernel(capacity)
-        launch = (tokens, heads), threads
-        if not is_simulator:
-            launch += (resolve_stream(stream),)
-        kernel[launch](scores_a.arg, seq_lens_a.arg, out_a.arg, topk, rank, world, query_len,
-                       global_blocks, init_blocks, local_blocks)
-    return out
+    if not (heads and tokens):
+        return _NoWork()
+    return KernelLaunch(
+        shard_topk_kernel(capacity), (tokens, heads), threads,
+        arrays=[("scores", False), ("seq_lens", False), ("out", False)],
+        scalars=[topk, rank, world, query_len, global_blocks, init_blocks, local_blocks],
+        order=[("a", 0), ("a", 1), ("a", 2)] + [("s", j) for j in range(7)])
 
 
 def _table_arrays(heads, tokens, topk, requests, attention_block_table,
@@ -123,7 +171,8 @@ def _table_arrays(heads, tokens, topk, requests, attention_block_table,
     if ctx.ndim != sbt.ndim - 1:
         raise ValueError(f"sparse_context_lens_out must be {sbt.ndim - 1}-D to match the "
                          f"{sbt.ndim}-D sparse_block_table_out, got shape {ctx.shape}")
-    if sbt.ndim == 2:
+    two_d = sbt.ndim == 2
+    if two_d:
         if heads != 1:
             raise ValueError(f"sparse_block_table_out: the 2-D layout [tokens, topk * {PAGES}] "
                              f"holds one head, but there are {heads}; pass the per-head layout "
@@ -136,7 +185,7 @@ def _table_arrays(heads, tokens, topk, requests, attention_block_table,
         ctx = with_leading_axis(ctx)
     validate.dim(ctx, 0, heads, "heads")
     validate.dim(ctx, 1, tokens, "tokens")
-    return table, page_stride, sbt, ctx
+    return page_stride, two_d
 
 
 def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_blocks,
@@ -166,6 +215,23 @@ def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_b
     Returns:
         ``topk_idx``.
     """
+    arrays = (keys, topk_idx, seq_lens, attention_block_table, sparse_block_table_out,
+              sparse_context_lens_out)
+    scalars = (query_len, init_blocks, local_blocks, block_page_stride, threads, sort_limit)
+    key = _signature(arrays, scalars)
+    launch = _MERGE_LAUNCHES.get(key) if key is not None else None
+    if launch is None:
+        launch = _plan_merge(arrays, *scalars)
+        if key is not None:
+            _MERGE_LAUNCHES.remember(key, launch)
+    launch(arrays, stream)
+    return topk_idx
+
+
+def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride, threads,
+                sort_limit):
+    keys, topk_idx, seq_lens, attention_block_table, sparse_block_table_out, \
+        sparse_context_lens_out = arrays
     query_len = validate.integer("query_len", query_len, low=1)
     init_blocks = validate.integer("init_blocks", init_blocks, low=0)
     local_blocks = validate.integer("local_blocks", local_blocks, low=0)
@@ -188,15 +254,17 @@ def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_b
                            sparse_block_table_out, sparse_context_lens_out, block_page_stride)
 
     threads, capacity = _launch_shape(topk, world * per_shard, threads, sort_limit)
-    if heads and tokens:
-        launch = (tokens, heads), threads
-        if not is_simulator:
-            launch += (resolve_stream(stream),)
-        args = (keys_a.arg, seq_lens_a.arg, idx_a.arg, query_len, init_blocks, local_blocks)
-        if tables is None:
-            merge_topk_kernel(capacity)[launch](*args)
-        else:
-            table, page_stride, sbt, ctx = tables
-            merge_sparse_table_kernel(capacity)[launch](*args, table.arg, page_stride, sbt.arg,
-                                                        ctx.arg)
-    return topk_idx
+    if not (heads and tokens):
+        return _NoWork()
+    order = [("a", 0), ("a", 2), ("a", 1), ("s", 0), ("s", 1), ("s", 2)]
+    names = [("keys", False), ("topk_idx", False), ("seq_lens", False)]
+    scalars = [query_len, init_blocks, local_blocks]
+    if tables is None:
+        return KernelLaunch(merge_topk_kernel(capacity), (tokens, heads), threads,
+                            arrays=names, scalars=scalars, order=order)
+    page_stride, two_d = tables
+    names += [("attention_block_table", False), ("sparse_block_table_out", two_d),
+              ("sparse_context_lens_out", two_d)]
+    return KernelLaunch(merge_sparse_table_kernel(capacity), (tokens, heads), threads,
+                        arrays=names, scalars=scalars + [page_stride],
+                        order=order + [("a", 3), ("s", 3), ("a", 4), ("a", 5)])

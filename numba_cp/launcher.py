@@ -1,0 +1,155 @@
+"""Validated kernel launches, cached per argument signature.
+
+A host wrapper validates its arguments once per *signature* (every array's
+dtype, shape and strides plus every scalar argument) and builds a
+:class:`KernelLaunch`. A call with the same signature reuses it: only the
+arrays' data pointers are read. Nothing a cached launch skips could differ
+between two calls with one signature, so validation is not given up.
+
+On numba-cuda the cached launch also bypasses Numba's per-call dispatch
+(argument typing and marshalling): the argument list of the compiled
+specialisation is built once, with a slot for each array's pointer, and handed
+to ``cuda.core.launch``. That path reads a few numba-cuda internals; if any is
+missing (another numba-cuda version) it falls back, once and for good, to the
+portable path that every target uses: Numba's own dispatch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .arrays import as_kernel_array, resolve_stream, with_leading_axis
+from .backend import NAME, is_simulator
+
+__all__ = ["array_signature", "context_token", "KernelLaunch", "LaunchCache"]
+
+_MAX_CACHED = 4096
+
+
+def array_signature(obj):
+    """``(typestr, shape, strides)`` of an array without viewing it, or None.
+
+    None means "not cacheable" (the wrapper then validates on every call).
+    """
+    if is_simulator:
+        if isinstance(obj, np.ndarray):
+            return (obj.dtype.str, obj.shape, obj.strides)
+        return None
+    interface = getattr(obj, "__cuda_array_interface__", None)
+    if interface is None:
+        return None
+    return (interface["typestr"], tuple(interface["shape"]),
+            None if interface.get("strides") is None else tuple(interface["strides"]))
+
+
+def context_token():
+    """Identifies the current GPU context: compiled kernels belong to one context."""
+    if NAME != "cuda":
+        return 0
+    from cuda.bindings import driver
+
+    _, context = driver.cuCtxGetCurrent()
+    return int(context)
+
+
+class LaunchCache(dict):
+    """signature -> KernelLaunch, bounded (a long-lived process sees few shapes)."""
+
+    def remember(self, key, launch):
+        if len(self) >= _MAX_CACHED:
+            self.clear()
+        self[key] = launch
+        return launch
+
+
+class KernelLaunch:
+    """One validated launch: kernel, grid, block, scalars; arrays supplied per call.
+
+    ``arrays`` is a list of ``(name, leading_axis)``: the wrapper's array
+    arguments in kernel order, ``leading_axis`` marking a 2-D table viewed as
+    ``[1, ...]``. ``scalars`` follow the arrays' positions given by ``order``.
+    """
+
+    def __init__(self, kernel, grid, block, arrays, scalars, order):
+        self.kernel = kernel
+        self.grid = grid
+        self.block = block
+        self.arrays = arrays
+        self.scalars = scalars
+        self.order = order  # kernel argument order: ("a", i) array i, ("s", j) scalar j
+        self._direct = None  # the numba-cuda fast path, built after the first launch
+        self._direct_failed = NAME != "cuda"
+
+    def _kernel_args(self, objects):
+        views = []
+        for obj, (name, leading) in zip(objects, self.arrays):
+            view = as_kernel_array(obj, name)
+            views.append(with_leading_axis(view) if leading else view)
+        return [views[i].arg if kind == "a" else self.scalars[i] for kind, i in self.order]
+
+    def __call__(self, objects, stream=None):
+        if self._direct is not None:
+            return self._direct(objects, stream)
+        args = self._kernel_args(objects)
+        if is_simulator:
+            self.kernel[self.grid, self.block](*args)
+            return None
+        stream = resolve_stream(stream)
+        self.kernel[self.grid, self.block, stream](*args)
+        if not self._direct_failed:
+            try:
+                self._direct = _DirectLaunch(self, args)
+            except Exception:  # an internal moved: keep Numba's dispatch for good
+                self._direct_failed = True
+        return None
+
+
+class _DirectLaunch:
+    """numba-cuda only: the compiled specialisation launched straight through cuda.core."""
+
+    def __init__(self, launch: KernelLaunch, args):
+        from cuda.core import LaunchConfig
+        from cuda.core import launch as core_launch
+        from numba.cuda._compat import CUDA_CORE_GE_1_0
+
+        dispatcher = launch.kernel
+        argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
+        compiled = dispatcher.overloads[argtypes]
+        if compiled.cooperative or compiled.debug or compiled.extensions:
+            raise RuntimeError("not a plain kernel")
+        self.cu_kernel = compiled._codelibrary.get_cufunc().kernel
+        block = launch.block if isinstance(launch.block, tuple) else (launch.block,)
+        options = dict(grid=launch.grid, block=block, shmem_size=0)
+        options["is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch"] = False
+        self.config = LaunchConfig(**options)
+        self.core_launch = core_launch
+        self.template = []
+        self.pointer_slots = []  # (index in template, which array, leading axis)
+        for (kind, i), value in zip(launch.order, args):
+            if kind == "s":
+                self.template.append(_scalar(value))
+                continue
+            self.pointer_slots.append((len(self.template) + 4, i))
+            self.template.extend(_array_fields(value))
+        self.arrays = launch.arrays
+
+    def __call__(self, objects, stream):
+        params = list(self.template)
+        for slot, i in self.pointer_slots:
+            params[slot] = objects[i].__cuda_array_interface__["data"][0]
+        self.core_launch(resolve_stream(stream), self.config, self.cu_kernel, *params)
+
+
+def _scalar(value):
+    import ctypes
+
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError("boolean kernel scalars are not used here")
+    return ctypes.c_int64(int(value))
+
+
+def _array_fields(device_array):
+    """Numba's flattened array argument: meminfo, parent, size, itemsize, data, shape, strides."""
+    itemsize = device_array.dtype.itemsize
+    return [0, 0, device_array.size, itemsize, device_array.device_ctypes_pointer.value,
+            *device_array.shape, *device_array.strides]
