@@ -96,6 +96,8 @@ def _load(name: str):
         # a short switch interval makes simulated blocks 5-7x faster.
         sys.setswitchinterval(min(sys.getswitchinterval(), 5e-5))
         from numba import cuda
+
+        _lock_simulated_shared_arrays()
         return cuda
     if name == "hip":
         try:
@@ -116,6 +118,43 @@ def _load(name: str):
     if not COMPILE_ONLY and not cuda.is_available():
         raise BackendError("NUMBA_CP_BACKEND=cuda but no usable NVIDIA GPU/driver was found")
     return cuda
+
+
+def _lock_simulated_shared_arrays():
+    """Make the simulator's ``cuda.shared.array`` allocate under a lock.
+
+    It keys a block's shared arrays by source line with an unlocked
+    check-then-insert, so two threads reaching the line together can each get a
+    private array: thread 0's writes then vanish for the others, and kernels
+    read garbage now and then. Same logic as the simulator's, plus the lock.
+    """
+    import threading
+    import traceback
+
+    import numpy as np
+    from numba.cuda.simulator import kernelapi
+
+    types, numpy_support = kernelapi.types, kernelapi.numpy_support  # the simulator's own
+
+    original = kernelapi.FakeCUDAShared.array
+    if getattr(original, "_numba_cp_locked", False):
+        return
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0:
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = tuple(traceback.extract_stack(sys._getframe(1), limit=1)[-1][0:2])
+        with lock:
+            allocated = self._allocations.get(caller)
+            if allocated is None:
+                allocated = self._allocations[caller] = np.empty(shape, dtype)
+        return allocated
+
+    array._numba_cp_locked = True
+    kernelapi.FakeCUDAShared.array = array
 
 
 NAME: str = _choose()

@@ -31,7 +31,7 @@ from .errors import RankAgreementError
 from .ops import local_topk_keys, merge_topk_keys
 from .transport import choose_transport, takes_device_arrays
 
-__all__ = ["ExchangeConfig", "CandidateExchange", "owned_heads"]
+__all__ = ["ExchangeConfig", "CandidateExchange", "CapturedExchange", "owned_heads"]
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,11 @@ class CandidateExchange:
         # Flat storage: the first `tokens` rows of every buffer form one contiguous
         # [heads, tokens, ...] block, so calls with fewer tokens keep SPEC's layout.
         place = self._place
-        self._send = place(np.zeros(c.heads * c.max_tokens * per_shard, np.int64))
         self._recv = place(np.zeros(c.world * c.heads * c.max_tokens * per_shard, np.int64))
+        # With one rank the shard's keys are the gathered keys: pack writes straight
+        # into recv[0] and nothing moves.
+        self._send = (self._recv if c.world == 1 else
+                      place(np.zeros(c.heads * c.max_tokens * per_shard, np.int64)))
         self._topk_idx = place(np.full(merged * c.max_tokens * c.topk, -1, np.int32))
         self._sbt = self._ctx = None
         if c.sparse_table:
@@ -211,6 +214,8 @@ class CandidateExchange:
         Collective: every rank must call it with the same ``tokens``.
         """
         send, recv = self._views_for(tokens)[:2]
+        if self.config.world == 1:
+            return recv  # send is recv[0]
         return self._transport_for(tokens).all_gather(send, recv, stream=stream)
 
     def merge(self, seq_lens, tokens: int, *, attention_block_table=None, stream=None):
@@ -257,6 +262,91 @@ class CandidateExchange:
         return False
 
     def describe(self) -> str:
+        if self.config.world == 1:
+            return "none (world 1: the shard's keys are the gathered keys)"
         t = self.transport
         reason = f" ({t.reason})" if getattr(t, "reason", "") else ""
         return f"{t.name}{reason}"
+
+    @property
+    def gather_is_capturable(self) -> bool:
+        return self.config.world == 1 or self.transport.capturable
+
+    def capture(self, scores, seq_lens, *, attention_block_table=None, stream=None):
+        """Record the exchange on these exact buffers for cheap replay; collective.
+
+        Returns a :class:`CapturedExchange`. Replays read whatever ``scores``,
+        ``seq_lens`` (and the table) hold at replay time, so update them in
+        place; results land in the plan's buffers (the arrays :meth:`__call__`
+        returns). With a device-side gather (world 1, or a capturable
+        transport) the whole exchange is one CUDA/HIP graph; with an MPI
+        gather, pack and merge are two graphs around the host all-gather.
+        Under the simulator the "graphs" are the eager calls, so the flow is
+        the same everywhere.
+        """
+        tokens = scores.shape[1]
+        self._views_for(tokens)
+        if stream is None and not is_simulator:
+            import cupy  # graphs are captured on a stream of their own
+
+            stream = cupy.cuda.Stream(non_blocking=True)
+        if tokens and self.config.world > 1:
+            self._transport_for(tokens)  # set up outside the capture (it is collective)
+
+        def pack(s):
+            self.pack(scores, seq_lens, stream=s)
+
+        def gather(s):
+            self.all_gather(tokens, stream=s)
+
+        def merge(s):
+            return self.merge(seq_lens, tokens, attention_block_table=attention_block_table,
+                              stream=s)
+
+        if self.gather_is_capturable:
+            segments = [(_Graph.record(lambda s: (pack(s), gather(s), merge(s)), stream),
+                         None)]
+        else:
+            segments = [(_Graph.record(pack, stream), gather),
+                        (_Graph.record(merge, stream), None)]
+        return CapturedExchange(segments, self._views_for(tokens)[3:], self.config.sparse_table,
+                                stream)
+
+
+class _Graph:
+    """One captured stream segment (a CUDA/HIP graph via CuPy; eager under the simulator)."""
+
+    def __init__(self, replay):
+        self.replay = replay
+
+    @classmethod
+    def record(cls, work, stream):
+        if is_simulator:
+            return cls(work)
+        work(stream)  # compile and set up outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            work(stream)
+        finally:
+            graph = stream.end_capture()
+        return cls(graph.launch)
+
+
+class CapturedExchange:
+    """Replays a captured exchange: ``replay()`` runs pack -> gather -> merge again."""
+
+    def __init__(self, segments, outputs, sparse_table, stream):
+        self._segments = segments
+        self._stream = stream
+        idx, sbt, ctx = outputs
+        self.outputs = (idx, sbt, ctx) if sparse_table else idx
+
+    def replay(self, stream=None):
+        """Collective when the gather is MPI. Returns the plan's output arrays."""
+        stream = self._stream if stream is None else stream
+        for graph, host_step in self._segments:  # graph.replay(s) launches on s
+            graph.replay(stream)
+            if host_step is not None:
+                host_step(stream)
+        return self.outputs

@@ -273,6 +273,9 @@ class Transport:
 
     name = ""
     device = False
+    # Whether all_gather only queues device work on the stream (so a CUDA/HIP graph
+    # can capture it). MPI calls block the host: none of these transports can.
+    capturable = False
 
     def __init__(self, comm):
         self.comm = comm
