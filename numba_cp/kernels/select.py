@@ -10,11 +10,12 @@ Why this algorithm: keys of distinct valid blocks are distinct, so the k-th
 largest key is a unique threshold and "every key >= threshold" is exactly the
 top-k, with no tie handling and a deterministic result. The threshold is found
 MSB-first, 8 bits per pass, over the 48 bits below the valid bit (at most six
-passes, stopping early once a digit bucket holds exactly the keys still
-wanted), so the cost is linear in the candidate count whatever ``topk`` is.
-The <= ``capacity`` survivors are then sorted in shared memory. When all
-candidates fit in ``capacity`` the select is skipped and they are sorted
-directly.
+passes), so the cost is linear in the candidate count whatever ``topk`` is.
+The select stops as soon as every key at or above the current digit bucket
+fits in the sort tile: those survivors are sorted in shared memory and the
+first ``topk`` kept, so a tile somewhat larger than ``topk`` saves passes.
+When all candidates fit in ``capacity`` the select is skipped and they are
+sorted directly.
 """
 
 from numba import int32, int64
@@ -25,6 +26,9 @@ from .primitives import shared_atomic_add
 
 RADIX_BITS = 8
 RADIX = 1 << RADIX_BITS
+GROUP = 16  # buckets summed per group, so one thread scans 16 + 16, not 256
+GROUPS = RADIX // GROUP
+SCRATCH = RADIX + GROUPS  # int32 scratch: the histogram, then the group sums
 TOP_SHIFT = 40  # the digit just below the valid bit (bit 48)
 
 # state slots (shared int64[STATE_SLOTS])
@@ -55,25 +59,40 @@ def bitonic_sort_descending(values, size):
 
 
 @cuda.jit(device=True)
-def choose_digit(hist, state, shift):
+def sum_groups(hist):
+    """``hist[RADIX + g]`` = the count of bucket group ``g``; all threads take part."""
+    for group in range(cuda.threadIdx.x, GROUPS, cuda.blockDim.x):
+        total = 0
+        for digit in range(group * GROUP, (group + 1) * GROUP):
+            total += hist[digit]
+        hist[RADIX + group] = total
+
+
+@cuda.jit(device=True)
+def choose_digit(hist, state, shift, topk, capacity):
     """One thread's step of the radix select: narrow the prefix by one digit.
 
-    Sets ``state[THRESHOLD]`` once the top-``state[WANTED]`` keys under the
-    current prefix are exactly those at or above one value. ``state[TIES]`` is
-    then 0, or, when equal keys straddle the threshold (duplicate keys, which
-    only malformed gathered input has), how many copies of it to keep.
+    Finds the bucket holding the ``state[WANTED]``-th largest key under the
+    current prefix. If every key at or above that bucket (with those already
+    taken above the prefix) fits in ``capacity``, sets ``state[THRESHOLD]`` to
+    the bucket's lowest key: collecting and sorting everything at or above it
+    gives the top-k. ``state[TIES]`` is set instead when equal keys straddle
+    the threshold at the last digit (duplicate keys, which only malformed
+    gathered input has): how many copies of it to keep.
     """
     prefix = state[PREFIX]
     wanted = state[WANTED]
     above = int64(0)
-    digit = RADIX - 1
-    while digit > 0 and above + hist[digit] < wanted:
+    group = GROUPS - 1
+    while group > 0 and above + hist[RADIX + group] < wanted:
+        above += hist[RADIX + group]
+        group -= 1
+    digit = group * GROUP + GROUP - 1
+    while digit > group * GROUP and above + hist[digit] < wanted:
         above += hist[digit]
         digit -= 1
     reached = above + hist[digit]
-    if reached < wanted:  # fewer candidates than topk (first pass only): take all
-        state[THRESHOLD] = prefix << (shift + RADIX_BITS)
-    elif reached == wanted:  # this bucket completes the top-k
+    if topk - wanted + reached <= capacity:  # first pass with < topk keys lands here too
         state[THRESHOLD] = ((prefix << RADIX_BITS) | digit) << shift
     elif shift == 0:  # the last digit: these keys are all equal to the threshold
         state[THRESHOLD] = (prefix << RADIX_BITS) | digit
@@ -111,8 +130,10 @@ def make_block_topk(candidate_key, capacity):
                 if (key >> (shift + RADIX_BITS)) == prefix:
                     shared_atomic_add(hist, int32((key >> shift) & (RADIX - 1)), int32(1))
             cuda.syncthreads()
+            sum_groups(hist)
+            cuda.syncthreads()
             if tid == 0:
-                choose_digit(hist, state, shift)
+                choose_digit(hist, state, shift, topk, capacity)
             cuda.syncthreads()
             if state[THRESHOLD] != 0:
                 break

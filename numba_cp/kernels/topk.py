@@ -12,7 +12,7 @@ from numba import int32, int64
 from ..backend import cuda
 from ..constants import PAGES, SPARSE_BLOCK
 from .keys import causal_len_of, repin_key, score_key, valid_blocks_of
-from .select import RADIX, STATE_SLOTS, make_block_topk
+from .select import SCRATCH, STATE_SLOTS, make_block_topk
 
 # ctx tuples handed to the candidate functions
 # shard:    (head, row, rank, world, init_blocks, local_start)
@@ -52,7 +52,7 @@ def shard_topk_kernel(capacity):
     def shard_topk_keys(scores, seq_lens, out, topk, rank, world, query_len,
                         global_blocks, init_blocks, local_blocks):
         sel = cuda.shared.array(capacity, int64)
-        hist = cuda.shared.array(RADIX, int32)
+        hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
         row = cuda.blockIdx.x
         head = cuda.blockIdx.y
@@ -104,7 +104,7 @@ def merge_topk_kernel(capacity):
     @cuda.jit
     def merge_topk_ids(keys, seq_lens, topk_idx, query_len, init_blocks, local_blocks):
         sel = cuda.shared.array(capacity, int64)
-        hist = cuda.shared.array(RADIX, int32)
+        hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
         merge_select(keys, seq_lens, topk_idx, int64(cuda.blockIdx.y), int64(cuda.blockIdx.x),
                      query_len, init_blocks, local_blocks, sel, hist, state)
@@ -159,7 +159,7 @@ def merge_sparse_table_kernel(capacity):
     def merge_topk_ids_and_table(keys, seq_lens, topk_idx, query_len, init_blocks, local_blocks,
                                  block_table, page_stride, sparse_table, context_lens):
         sel = cuda.shared.array(capacity, int64)
-        hist = cuda.shared.array(RADIX, int32)
+        hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
         slots = cuda.shared.array(capacity, int32)
         row = int64(cuda.blockIdx.x)
