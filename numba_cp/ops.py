@@ -34,30 +34,34 @@ _MERGE_LAUNCHES = LaunchCache()
 class _NoWork:
     """The launch for an empty grid (no heads or no tokens)."""
 
-    def __call__(self, objects, stream=None):
+    def __call__(self, objects, stream=None, pointers=None):
         return None
 
 
 def _signature(arrays, scalars):
-    """Cache key of a call, or None when an argument cannot be keyed (then: no cache).
+    """``(cache key, data pointers)`` of a call; ``(None, None)`` when an argument
+    cannot be keyed (then: no cache).
 
     Scalars are keyed with their types: 2.0 == 2 and True == 1, yet they
     validate differently.
     """
-    keyed = []
+    keyed, pointers = [], []
     for array in arrays:
         if array is None:
             keyed.append(None)
+            pointers.append(None)
             continue
         signature = array_signature(array)
         if signature is None:
-            return None
-        keyed.append(signature)
+            return None, None
+        keyed.append(signature[0])
+        pointers.append(signature[1])
     try:
-        return (tuple(keyed), tuple((type(v), v) for v in scalars), hash(tuple(scalars)),
-                context_token())
+        key = (tuple(keyed), tuple((type(v), v) for v in scalars), hash(tuple(scalars)),
+               context_token())
     except TypeError:  # an unhashable scalar: let validation name it
-        return None
+        return None, None
+    return key, pointers
 
 
 def _next_pow2(n: int) -> int:
@@ -103,13 +107,13 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
     arrays = (scores, seq_lens, out)
     scalars = (topk, rank, world, query_len, global_blocks, init_blocks, local_blocks, threads,
                sort_limit)
-    key = _signature(arrays, scalars)
+    key, pointers = _signature(arrays, scalars)
     launch = _SHARD_LAUNCHES.get(key) if key is not None else None
     if launch is None:
         launch = _plan_local_topk(arrays, *scalars)
         if key is not None:
             _SHARD_LAUNCHES.remember(key, launch)
-    launch(arrays, stream)
+    launch(arrays, stream, pointers)
     return out
 
 
@@ -222,13 +226,13 @@ def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_b
     arrays = (keys, topk_idx, seq_lens, attention_block_table, sparse_block_table_out,
               sparse_context_lens_out)
     scalars = (query_len, init_blocks, local_blocks, block_page_stride, threads, sort_limit)
-    key = _signature(arrays, scalars)
+    key, pointers = _signature(arrays, scalars)
     launch = _MERGE_LAUNCHES.get(key) if key is not None else None
     if launch is None:
         launch = _plan_merge(arrays, *scalars)
         if key is not None:
             _MERGE_LAUNCHES.remember(key, launch)
-    launch(arrays, stream)
+    launch(arrays, stream, pointers)
     return topk_idx
 
 
