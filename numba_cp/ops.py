@@ -19,12 +19,10 @@ __all__ = ["local_topk_keys", "merge_topk_keys", "DEFAULT_THREADS", "DEFAULT_SOR
 
 # The simulator runs every GPU thread as a Python thread: small blocks keep it quick.
 DEFAULT_THREADS = 8 if is_simulator else 128
-# Up to this many candidates are sorted outright; beyond it, radix select first.
-DEFAULT_SORT_LIMIT = 64 if is_simulator else 1024
-# The radix select stops once the survivors fit this tile (at least topk); a
-# tile above topk saves passes. The simulator keeps it minimal, so the tests
-# walk every pass.
-RADIX_TILE = 1 if is_simulator else 256
+# The most keys a row sorts (never fewer than topk): rows with more candidates
+# are radix-selected until the survivors fit, then sorted. A tile above topk
+# saves radix passes; a smaller one saves sort stages.
+DEFAULT_SORT_LIMIT = 64 if is_simulator else 256
 
 
 _SHARD_LAUNCHES = LaunchCache()
@@ -73,7 +71,7 @@ def _launch_shape(topk: int, candidates: int, threads, sort_limit):
         "threads", threads, low=1, high=1025)
     sort_limit = DEFAULT_SORT_LIMIT if sort_limit is None else validate.integer(
         "sort_limit", sort_limit, low=1, high=MAX_TOPK + 1)
-    capacity = _next_pow2(max(topk, candidates if candidates <= sort_limit else RADIX_TILE))
+    capacity = _next_pow2(max(topk, min(candidates, sort_limit)))
     return threads, capacity
 
 
@@ -97,9 +95,9 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
             the keys in descending order, padded with 0.
         stream: launch stream (default: CuPy's current stream, else the
             default stream).
-        threads, sort_limit: launch tuning (threads per block; the candidate
-            count up to which rows are sorted outright instead of radix
-            selected). Results do not depend on them.
+        threads, sort_limit: launch tuning (threads per block; the most keys a
+            row sorts, rows with more candidates being radix-selected down to
+            that many first). Results do not depend on them.
 
     Returns:
         ``out``.
