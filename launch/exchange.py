@@ -72,8 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--sparse-table", action="store_true",
                    help="also emit the paged sparse block table (checked against the oracle)")
     p.add_argument("--transport", default=None,
-                   help="force an all-gather transport (host, mpi-device, staged); "
-                        "default: the best for this machine")
+                   help="force an all-gather transport (host, mpi-device, staged, ipc, "
+                        "nccl); default: the best for this machine")
     p.add_argument("--graph", action="store_true",
                    help="also capture the exchange (CUDA/HIP graph) and time its replays; with "
                         "an MPI gather, pack and merge are two graphs around it")

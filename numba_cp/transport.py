@@ -17,6 +17,16 @@ One small class per way of moving the bytes, chosen once per communicator:
     :meth:`~Transport.setup`; per call a device-to-pinned copy on the stream,
     a stream sync, ``Allgather`` on the host buffers and a pinned-to-device copy
     on the stream. Nothing is allocated per call.
+:class:`IPCAllGather` (``"ipc"``)
+    ranks of one node: every rank maps every peer's exchange buffer (CUDA/HIP
+    IPC through CuPy) and the gather is three kernels on the stream -- push
+    the payload into every peer, signal, wait for every peer and copy out --
+    synchronised by device-side epochs and flags, so it can be captured in a
+    CUDA/HIP graph. Protocol and race analysis: :mod:`numba_cp.kernels.ipc`.
+    Under the simulator (forced only) host shared memory stands in for IPC.
+:class:`NCCLAllGather` (``"nccl"``)
+    ``ncclAllGather`` (RCCL on AMD) through ``cupy.cuda.nccl``; capturable.
+    Opt-in only: NCCL refuses two ranks on one GPU.
 
 Every transport has the same life cycle::
 
@@ -32,8 +42,14 @@ a mismatch cannot hang the collective. The per-call checks of
 :meth:`~Transport.all_gather` are local and raise before any communication.
 
 The MPI transports block the host on the stream and on MPI, so they cannot be
-captured in a CUDA/HIP graph; a device-side transport (IPC, NCCL) can register
-itself in :data:`TRANSPORTS` with :func:`register_transport`.
+captured in a CUDA/HIP graph; the device-side ones (IPC, NCCL) can
+(``capturable``). More can register themselves in :data:`TRANSPORTS` with
+:func:`register_transport`.
+
+:func:`choose_transport` with ``device=True`` picks, the same on every rank:
+IPC when every rank of the communicator is on one node and every rank can
+map every rank's GPU memory (:func:`ipc_verdict`, collective); else
+GPU-aware MPI; else staged.
 
 GPU-aware detection (:func:`gpu_aware_mpi`) asks the loaded MPI library through
 ctypes, since mpi4py has no query: ``NUMBA_CP_GPU_AWARE_MPI=0|1`` forces the
@@ -49,16 +65,19 @@ import ctypes
 import functools
 import os
 import re
+import sys
 
 import numpy as np
 
-from .arrays import as_kernel_array, resolve_stream
+from . import ipc as _ipc
+from .arrays import as_kernel_array, device_copy, resolve_stream
 from .errors import RankAgreementError
 from .backend import NAME, cuda, is_simulator
 
 __all__ = [
-    "Transport", "HostMPI", "DeviceMPI", "StagedMPI", "TRANSPORTS", "register_transport",
-    "choose_transport", "requested_transport", "takes_device_arrays", "gpu_aware_mpi",
+    "Transport", "HostMPI", "DeviceMPI", "StagedMPI", "IPCAllGather", "NCCLAllGather",
+    "IPCTimeoutError", "TRANSPORTS", "register_transport", "choose_transport",
+    "requested_transport", "takes_device_arrays", "gpu_aware_mpi", "ipc_verdict",
     "GPU_AWARE_ENV", "TRANSPORT_ENV",
 ]
 
@@ -542,6 +561,299 @@ class StagedMPI(Transport):
         return recv
 
 
+def _view_range(view):
+    """``(address, nbytes)`` of a validated device view (the simulator's: host memory)."""
+    if is_simulator:
+        return np.asarray(view).__array_interface__["data"][0], view.nbytes
+    return _device_pointer(view), view.nbytes
+
+
+def _stream_handle(stream) -> int:
+    """The raw CUDA/HIP stream handle of ``stream`` (see :func:`resolve_stream`)."""
+    if is_simulator:
+        return 0
+    if stream is None:
+        cupy = sys.modules.get("cupy")
+        return int(cupy.cuda.get_current_stream().ptr) if cupy is not None else 0
+    for attribute in ("ptr", "cuda_stream"):
+        if hasattr(stream, attribute):
+            return int(getattr(stream, attribute))
+    if isinstance(stream, (int, np.integer)):
+        return int(stream)
+    handle = getattr(stream, "handle", None)  # a Numba stream
+    if handle is not None:
+        handle = getattr(handle, "value", handle)
+        return int(handle or 0)
+    raise TypeError(f"stream: expected a Numba, CuPy or PyTorch stream or an int handle, "
+                    f"got {type(stream).__name__}")
+
+
+def _agree_or_raise(comm, what: str, problem: str | None, payload=None, cleanup=None):
+    """Every rank's ``(problem, payload)``; the same error on every rank if any failed."""
+    everyone = comm.allgather((problem, payload))
+    problems = [(rank, p) for rank, (p, _) in enumerate(everyone) if p]
+    if problems:
+        if cleanup is not None:
+            cleanup()
+        raise RankAgreementError(f"{what}: " + "; ".join(
+            f"rank {rank}: {p}" for rank, p in problems))
+    return [payload for _, payload in everyone]
+
+
+def _problem(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class IPCTimeoutError(RuntimeError):
+    """An IPC all-gather gave up waiting for a peer; what it gathered since is garbage."""
+
+
+@register_transport
+class IPCAllGather(Transport):
+    """Ranks of one node gather by writing straight into each other's GPU memory.
+
+    :meth:`setup` (collective) allocates this rank's exchange buffer (flags and
+    two halves of ``world`` payload slots, :class:`numba_cp.ipc.IPCLayout`),
+    exports its IPC handle, exchanges the handles with ``comm.allgather``,
+    opens every peer's (``cudaIpcMemLazyEnablePeerAccess``) and zeroes a
+    private control block holding the device-side epoch. Each
+    :meth:`all_gather` then queues three kernels on ``stream`` and returns at
+    once: no host synchronisation, allocation or decision from device values,
+    so it can be captured in a CUDA/HIP graph and replayed (the epoch moves on
+    on the device). Consecutive calls must be ordered (same stream, or
+    streams the caller orders). Protocol, race analysis and failure handling:
+    :mod:`numba_cp.kernels.ipc`.
+
+    Args:
+        comm: ranks that all run on one node.
+        spin_limit: polls before a wait gives up (default
+            ``NUMBA_CP_IPC_SPIN_LIMIT`` or :data:`numba_cp.ipc.SPIN_LIMIT`); a
+            wait that gives up records an error that :meth:`check` raises.
+
+    Under the simulator (when forced) the buffers are host shared memory
+    (:class:`numba_cp.ipc.HostIPCMemory`) and the same kernels run on it.
+    :meth:`teardown` is local: it waits for this rank's device work, closes the
+    peers' handles and frees its own buffer.
+    """
+
+    name = "ipc"
+    device = True
+    capturable = True
+
+    def __init__(self, comm, *, spin_limit: int | None = None):
+        super().__init__(comm)
+        self.spin_limit = _ipc.spin_limit_from_env() if spin_limit is None else int(spin_limit)
+        if self.spin_limit < 1:
+            raise ValueError(f"spin_limit must be >= 1, got {spin_limit}")
+        self.layout = None
+        self.engine = None
+        self._memory = None
+        self._regions = []
+
+    def _setup(self):
+        comm = self.comm
+        rank, world = comm.Get_rank(), comm.Get_size()
+        self.layout = layout = _ipc.IPCLayout(world, self.nbytes)
+        if self.nbytes == 0:
+            return  # every rank agreed on the shape: nothing ever moves
+        regions = [None] * world
+        self._regions = regions
+        problem = handle = ctrl = None
+        try:
+            self._memory = memory = _ipc.ipc_memory()
+            regions[rank] = memory.allocate(layout.total_bytes)
+            handle = memory.handle(regions[rank])
+            from .kernels.ipc import CTRL_WORDS
+
+            ctrl = memory.private_zeros(CTRL_WORDS, np.int64)
+            memory.synchronize()
+        except Exception as exc:
+            problem = _problem(exc)
+        handles = _agree_or_raise(comm, "ipc setup (allocating and exporting the exchange "
+                                  "buffers)", problem, handle, cleanup=self._release)
+        problem = None
+        try:
+            for peer in range(world):
+                if peer != rank:  # a process cannot open its own IPC handle
+                    regions[peer] = memory.open(handles[peer], layout.total_bytes)
+            engine = _ipc.IPCEngine(rank, world, layout, regions, ctrl,
+                                    spin_limit=self.spin_limit)
+        except Exception as exc:
+            problem = _problem(exc)
+        _agree_or_raise(comm, "ipc setup (opening the peers' exchange buffers)", problem,
+                        cleanup=self._release)
+        memory.published(regions[rank])
+        self.engine = engine
+
+    def _release(self):
+        """Close the peers' buffers, free this rank's (errors collected, first re-raised)."""
+        errors = []
+        memory, regions = self._memory, self._regions
+        rank = self.comm.Get_rank()
+        self.engine = None
+        self._regions = []
+        if memory is not None:
+            order = [q for q in range(len(regions)) if q != rank] + [rank]
+            for q in order:
+                if q < len(regions) and regions[q] is not None:
+                    try:
+                        memory.release(regions[q])
+                    except Exception as exc:
+                        errors.append(exc)
+        self._memory = None
+        if errors:
+            raise errors[0]
+
+    def _teardown(self):
+        try:
+            if self._memory is not None and self.engine is not None:
+                self._memory.synchronize()  # this rank's last gather is done with the buffers
+        finally:
+            self._release()
+            self.layout = None
+
+    def _all_gather(self, send, recv, stream):
+        send_view = self._device_view(send, "send")
+        recv_view = self._device_view(recv, "recv")
+        send_range, recv_range = _view_range(send_view), _view_range(recv_view)
+        self._check_disjoint(send_range, recv_range)
+        if self.nbytes == 0:
+            return recv
+        engine = self.engine
+        unit = engine.unit_for(self.nbytes, send_range[0], recv_range[0])
+        flat_send = engine.flat(send_view, send_range[0], self.nbytes, unit)
+        flat_recv = engine.flat(recv_view, recv_range[0], recv_range[1], unit)
+        engine.all_gather(flat_send, flat_recv, unit, resolve_stream(stream))
+        return recv
+
+    # -- inspection (host synchronisation: not for the hot path) ------------------
+
+    def state(self) -> dict:
+        """This rank's epoch, error words and flags (waits for its device work)."""
+        if not self.is_setup:
+            raise RuntimeError(f"{self.name}: call setup(shape, dtype) first")
+        if self.engine is None:  # a zero-byte payload
+            return dict(epoch=0, error_epoch=0, error_peer=-1, poisoned_by=-1, flags=[])
+        self._memory.synchronize()
+        return self.engine.state()
+
+    def check(self):
+        """Raise :class:`IPCTimeoutError` if a wait on this rank gave up, or a peer's did.
+
+        Waits for this rank's device work. Returns the :meth:`state` otherwise.
+        """
+        state = self.state()
+        rank = self.comm.Get_rank()
+        if state["error_epoch"]:
+            raise IPCTimeoutError(
+                f"ipc rank {rank}: call {state['error_epoch']} gave up waiting for rank "
+                f"{state['error_peer']} after {self.spin_limit} polls; results from that "
+                "call on are unreliable")
+        if state["poisoned_by"] >= 0:
+            raise IPCTimeoutError(
+                f"ipc rank {rank}: rank {state['poisoned_by']} gave up waiting for a peer; "
+                "results since are unreliable")
+        return state
+
+
+def _nccl_module():
+    """``cupy.cuda.nccl`` (RCCL under cupy-rocm); tests replace this function."""
+    from cupy.cuda import nccl
+
+    if not getattr(nccl, "available", True):
+        raise ImportError("cupy.cuda.nccl: CuPy was built without NCCL")
+    return nccl
+
+
+def _scratch(nbytes: int):
+    """A zeroed device byte buffer and its address (a simulator array there)."""
+    buffer = device_copy(np.zeros(max(nbytes, 1), np.uint8), simulated_device=True)
+    if is_simulator:
+        return buffer, np.asarray(buffer).__array_interface__["data"][0]
+    return buffer, int(buffer.data.ptr)
+
+
+@register_transport
+class NCCLAllGather(Transport):
+    """``ncclAllGather`` on bytes, through ``cupy.cuda.nccl`` (RCCL on AMD).
+
+    :meth:`setup` (collective): rank 0 makes the unique id, ``comm.bcast``
+    shares it, every rank builds ``NcclCommunicator(world, uid, rank)`` on its
+    current device, and one warm-up all-gather of the real payload size runs
+    and is waited for -- NCCL connects lazily, and connecting inside a graph
+    capture hangs. Each :meth:`all_gather` is one ``allGather`` on the stream;
+    capturable. Never chosen automatically: force ``nccl`` (NCCL refuses two
+    ranks on one GPU).
+    """
+
+    name = "nccl"
+    device = True
+    capturable = True
+
+    def __init__(self, comm):
+        super().__init__(comm)
+        self._nccl = None
+        self._comm = None
+
+    def _setup(self):
+        comm = self.comm
+        rank, world = comm.Get_rank(), comm.Get_size()
+        problem = uid = None
+        try:
+            nccl = _nccl_module()
+            if rank == 0:
+                uid = nccl.get_unique_id()
+        except Exception as exc:
+            problem = _problem(exc)
+        # Before NCCL's own (blocking) init: a rank that cannot even start must
+        # not leave the others waiting in ncclCommInitRank.
+        _agree_or_raise(comm, "nccl setup (loading NCCL)", problem)
+        uid = comm.bcast(uid, root=0)
+        problem = None
+        try:
+            self._nccl = nccl
+            self._comm = nccl.NcclCommunicator(world, uid, rank)
+            if self.nbytes:
+                send, send_ptr = _scratch(self.nbytes)
+                recv, recv_ptr = _scratch(self.nbytes * world)
+                stream, handle = self._warmup_stream()
+                self._comm.allGather(send_ptr, recv_ptr, self.nbytes, nccl.NCCL_UINT8, handle)
+                _synchronize(stream)
+                del send, recv
+        except Exception as exc:
+            problem = _problem(exc)
+        _agree_or_raise(comm, "nccl setup (communicator and warm-up)", problem,
+                        cleanup=self._destroy)
+
+    @staticmethod
+    def _warmup_stream():
+        if is_simulator:
+            return 0, 0
+        import cupy
+
+        stream = cupy.cuda.Stream(non_blocking=True)
+        return stream, int(stream.ptr)
+
+    def _destroy(self):
+        nccl_comm, self._comm = self._comm, None
+        if nccl_comm is not None:
+            nccl_comm.destroy()
+
+    def _teardown(self):
+        self._destroy()
+        self._nccl = None
+
+    def _all_gather(self, send, recv, stream):
+        send_view = self._device_view(send, "send")
+        recv_view = self._device_view(recv, "recv")
+        send_range, recv_range = _view_range(send_view), _view_range(recv_view)
+        self._check_disjoint(send_range, recv_range)
+        if self.nbytes:
+            self._comm.allGather(send_range[0], recv_range[0], self.nbytes,
+                                 self._nccl.NCCL_UINT8, _stream_handle(stream))
+        return recv
+
+
 # ---------------------------------------------------------------------------
 # Choosing
 
@@ -561,14 +873,88 @@ def takes_device_arrays(force: str | None = None) -> bool | None:
     return None if cls is None else cls.device
 
 
+# Probes, one function each so tests can replace them.
+
+
+def ipc_probe() -> tuple[bool, str]:
+    """Whether this process can share GPU memory by IPC (local): ``(answer, reason)``."""
+    return _ipc.local_probe()
+
+
+def _gpu_identity():
+    return _ipc.gpu_identity()
+
+
+def _peer_access(identities) -> tuple[bool, str]:
+    return _ipc.peer_access(identities)
+
+
+def _shared_node(comm) -> bool:
+    """Whether every rank of ``comm`` is in one shared-memory domain (collective)."""
+    MPI = _mpi()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return local.Get_size() == comm.Get_size()
+    finally:
+        local.Free()
+
+
+def _processor_name() -> str:
+    return _mpi().Get_processor_name()
+
+
+def _summarise(failures) -> str:
+    """``rank r: why`` for each failing rank, or one line when they all say the same."""
+    reasons = {why for _, why in failures}
+    if len(reasons) == 1:
+        ranks = [rank for rank, _ in failures]
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_rank_list(ranks)}"
+        return f"{who}: {reasons.pop()}"
+    return "; ".join(f"rank {rank}: {why}" for rank, why in failures)
+
+
+def ipc_verdict(comm) -> tuple[bool, str]:
+    """Whether :class:`IPCAllGather` can serve ``comm``: the same answer on every rank.
+
+    Collective (for more than one rank): every rank must be on one node
+    (``Split_type(COMM_TYPE_SHARED)`` spans the whole communicator), pass
+    :func:`ipc_probe` (CuPy with the IPC functions, a real GPU backend) and be
+    able to map every other rank's GPU (peer access between their PCI bus
+    ids). The local answers are all-gathered, so every rank decides alike.
+    """
+    world = comm.Get_size()
+    if world < 2:
+        return False, "a single rank has no peer to map"
+    ok, why = ipc_probe()
+    identity = _gpu_identity() if ok else None
+    shared = _shared_node(comm)
+    everyone = comm.allgather((bool(ok), str(why), identity, _processor_name()))
+    hosts = sorted({host for *_, host in everyone})
+    if not shared:
+        return False, f"the ranks span more than one node ({', '.join(hosts)})"
+    failures = [(rank, w) for rank, (o, w, _, _) in enumerate(everyone) if not o]
+    if failures:
+        return False, _summarise(failures)
+    reachable, how = _peer_access([identity for _, _, identity, _ in everyone])
+    verdicts = comm.allgather((bool(reachable), str(how)))
+    failures = [(rank, w) for rank, (o, w) in enumerate(verdicts) if not o]
+    if failures:
+        return False, _summarise(failures)
+    return True, (f"all {world} ranks on node {hosts[0]} map each other's GPU memory "
+                  f"({verdicts[0][1]}; {everyone[0][1]})")
+
+
 def choose_transport(comm, *, device: bool, force: str | None = None) -> Transport:
     """The transport for ``comm``: not set up yet (call ``setup`` on every rank).
 
-    ``device=False`` (host NumPy arrays) gives :class:`HostMPI`; ``device=True``
-    gives :class:`DeviceMPI` if :func:`gpu_aware_mpi` says so, else
-    :class:`StagedMPI`. ``force`` (or ``NUMBA_CP_TRANSPORT`` when ``force`` is
-    None) names a transport from :data:`TRANSPORTS` instead; it must take the
-    kind of array ``device`` says.
+    ``device=False`` (host NumPy arrays) gives :class:`HostMPI`. ``device=True``
+    gives :class:`IPCAllGather` when :func:`ipc_verdict` says every rank can
+    map every other's GPU memory (collective for more than one rank: every
+    rank must call it), else :class:`DeviceMPI` if :func:`gpu_aware_mpi` says
+    so, else :class:`StagedMPI`; :class:`NCCLAllGather` only when forced.
+    ``force`` (or ``NUMBA_CP_TRANSPORT`` when ``force`` is None) names a
+    transport from :data:`TRANSPORTS` instead; it must take the kind of array
+    ``device`` says.
     """
     force, source = requested_transport(force)
     if force is not None:
@@ -587,7 +973,14 @@ def choose_transport(comm, *, device: bool, force: str | None = None) -> Transpo
         transport = HostMPI(comm)
         transport.reason = "host arrays"
         return transport
+    ipc_ok, ipc_why = ipc_verdict(comm)
+    if ipc_ok:
+        transport = IPCAllGather(comm)
+        transport.reason = f"IPC: {ipc_why}"
+        return transport
     aware, why = gpu_aware_mpi(NAME)
     transport = DeviceMPI(comm) if aware else StagedMPI(comm)
     transport.reason = ("GPU-aware MPI: " if aware else "MPI not GPU-aware: ") + why
+    if comm.Get_size() > 1:
+        transport.reason += f"; no IPC: {ipc_why}"
     return transport

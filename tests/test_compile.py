@@ -1,4 +1,4 @@
-"""Every kernel compiles for a real GPU (sm_90 PTX) on a machine with no GPU.
+"""Every kernel (the IPC all-gather's too) compiles for a real GPU (sm_90 PTX) with no GPU.
 
 The simulator runs kernels as Python and accepts code that real targets reject;
 numba-cuda's compiler (NVVM, from the cuda-toolkit wheels) catches that.
@@ -31,3 +31,5 @@ def test_every_kernel_compiles_to_ptx_for_sm90():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if "[cap=" in line]
     assert len(lines) == 12 and all(" ok " in line for line in lines), proc.stdout
+    ipc = [line for line in proc.stdout.splitlines() if line.startswith("ipc_")]
+    assert len(ipc) == 5 and all(" ok " in line for line in ipc), proc.stdout  # IPC all-gather

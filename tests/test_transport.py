@@ -200,9 +200,9 @@ def test_choose_force_beats_env(monkeypatch):
 
 def test_choose_unknown_lists_choices(monkeypatch):
     choices = ", ".join(sorted(T.TRANSPORTS))
-    assert choices == "host, mpi-device, staged"
-    with pytest.raises(ValueError, match=f"'nccl'.*{choices}"):
-        T.choose_transport(MPI.COMM_SELF, device=True, force="nccl")
+    assert choices == "host, ipc, mpi-device, nccl, staged"
+    with pytest.raises(ValueError, match=f"'rdma'.*{choices}"):
+        T.choose_transport(MPI.COMM_SELF, device=True, force="rdma")
     monkeypatch.setenv(T.TRANSPORT_ENV, "bogus")
     with pytest.raises(ValueError, match=f"{T.TRANSPORT_ENV}='bogus'.*{choices}"):
         T.choose_transport(MPI.COMM_SELF, device=True)
@@ -221,7 +221,8 @@ def test_registry_refuses_taken_name():
 # Single rank, in process
 
 
-@pytest.mark.parametrize("cls", [T.HostMPI, T.StagedMPI, T.DeviceMPI], ids=lambda c: c.name)
+@pytest.mark.parametrize("cls", [T.HostMPI, T.StagedMPI, T.DeviceMPI, T.IPCAllGather],
+                         ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_single_rank_exact(cls, dtype):
     if not _device_ok(cls):
@@ -246,7 +247,7 @@ def test_single_rank_exact(cls, dtype):
 
 
 def test_zero_size_payload():
-    for cls in (T.HostMPI, T.StagedMPI):
+    for cls in (T.HostMPI, T.StagedMPI, T.IPCAllGather):
         with cls(MPI.COMM_SELF).setup((2, 0, 4), np.int64) as t:
             send, recv = np.empty((2, 0, 4), np.int64), np.empty((1, 2, 0, 4), np.int64)
             if cls.device:
@@ -330,7 +331,8 @@ def test_host_validation():
     assert not recv.any()
 
 
-@pytest.mark.parametrize("cls", [T.StagedMPI, T.DeviceMPI], ids=lambda c: c.name)
+@pytest.mark.parametrize("cls", [T.StagedMPI, T.DeviceMPI, T.IPCAllGather],
+                         ids=lambda c: c.name)
 def test_device_validation(cls):
     if not _device_ok(cls):
         pytest.skip("this MPI cannot read device memory")
@@ -432,4 +434,4 @@ def test_unknown_transport_env_under_mpiexec(mpiexec, tmp_path):
     assert status != 0, output[-4000:]
     for rank, text in lines.items():
         assert text[1:] == [f"rank={rank} ERROR ValueError: {T.TRANSPORT_ENV}='bogus': unknown "
-                            "transport; choose one of host, mpi-device, staged"], text
+                            "transport; choose one of host, ipc, mpi-device, nccl, staged"], text

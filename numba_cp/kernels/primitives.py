@@ -5,14 +5,23 @@ targets accept. Keep this module tiny: one function per primitive, one
 definition per target, and a simulator fallback written in plain Python (the
 simulator runs kernels as Python threads, so a Python function is a device
 function there).
+
+Atomics: numba-hip 0.2.1's ``hip.atomic.add`` / ``exch`` / ... are HIP C++'s
+``atomicAdd(int*, int)`` and friends wrapped as scalar functions (the pointer
+becomes a return value), so ``cuda.atomic.add(array, i, v)`` does not type on
+HIP. There the atomics below are small intrinsics that emit LLVM ``atomicrmw``
+on the element's address (relaxed ordering, as CUDA's ``atomicAdd`` is).
 """
+
+import time
 
 import numpy as np
 from numba import int64
 
 from ..backend import NAME, cuda
 
-__all__ = ["float_bits", "shared_atomic_add"]
+__all__ = ["float_bits", "shared_atomic_add", "atomic_add", "atomic_exch", "flag_load",
+           "flag_store", "fence_system", "spin_pause", "ctrl_add", "ctrl_cas"]
 
 if NAME == "sim":
 
@@ -28,17 +37,307 @@ elif NAME == "cuda":
         return int64(libdevice.float_as_int(x)) & 0xFFFFFFFF
 
 elif NAME == "hip":
-    from numba import hip
+    from llvmlite import ir
+    from numba import hip, types
+    from numba.core import cgutils
+    from numba.hip.amdgcn import ADDRSPACE_SHARED
+    from numba.hip.extending import intrinsic
 
     @cuda.jit(device=True, inline=True)
     def float_bits(x):
+        # HIP's __float_as_uint, which numba-hip exposes as hip.float_as_uint
         return int64(hip.float_as_uint(x)) & 0xFFFFFFFF
+
+    _ATOMIC_DTYPES = (types.int32, types.uint32, types.int64, types.uint64)
+
+    def _atomic_rmw(op, shared):
+        """``array[index] op= value`` on a 1-D integer array; returns the old value.
+
+        ``shared``: the array is in LDS (``cuda.shared.array``), so the
+        element's generic address is cast to LDS and the atomic is a ``ds_*``
+        instruction; otherwise it stays a flat (system-scope) atomic.
+        """
+
+        @intrinsic
+        def atomic(typingctx, array, index, value):
+            if not (isinstance(array, types.Array) and array.ndim == 1
+                    and array.dtype in _ATOMIC_DTYPES and isinstance(index, types.Integer)
+                    and isinstance(value, types.Integer)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                array_type, index_type, value_type = sig.args
+                array_value, index_value, value_value = args
+                view = context.make_array(array_type)(context, builder, array_value)
+                index_value = context.cast(builder, index_value, index_type, types.intp)
+                pointer = cgutils.get_item_pointer(context, builder, array_type, view,
+                                                   [index_value], wraparound=False)
+                if shared:
+                    element = context.get_value_type(array_type.dtype)
+                    pointer = builder.addrspacecast(pointer,
+                                                    ir.PointerType(element, ADDRSPACE_SHARED))
+                value_value = context.cast(builder, value_value, value_type, array_type.dtype)
+                return builder.atomic_rmw(op, pointer, value_value, "monotonic")
+
+            return array.dtype(array, index, value), codegen
+
+        return atomic
+
+    shared_atomic_add = _atomic_rmw("add", shared=True)
+    shared_atomic_add.__doc__ = ("``array[index] += value`` atomically on a shared "
+                                 "(LDS) array; returns the old value.")
+    atomic_add = _atomic_rmw("add", shared=False)
+    atomic_add.__doc__ = "``array[index] += value`` atomically; returns the old value."
+    atomic_exch = _atomic_rmw("xchg", shared=False)
+    atomic_exch.__doc__ = "``array[index] = value`` atomically; returns the old value."
 
 else:  # pragma: no cover - backend.py admits only the names above
     raise ImportError(f"no primitives for backend {NAME!r}")
 
 
-@cuda.jit(device=True, inline=True)
-def shared_atomic_add(array, index, value):
-    """``array[index] += value`` atomically; returns the old value."""
-    return cuda.atomic.add(array, index, value)
+if NAME != "hip":
+
+    @cuda.jit(device=True, inline=True)
+    def shared_atomic_add(array, index, value):
+        """``array[index] += value`` atomically on a shared array; returns the old value."""
+        return cuda.atomic.add(array, index, value)
+
+    @cuda.jit(device=True, inline=True)
+    def atomic_add(array, index, value):
+        """``array[index] += value`` atomically; returns the old value."""
+        return cuda.atomic.add(array, index, value)
+
+    @cuda.jit(device=True, inline=True)
+    def atomic_exch(array, index, value):
+        """``array[index] = value`` atomically; returns the old value."""
+        return cuda.atomic.exch(array, index, value)
+
+
+# ---------------------------------------------------------------------------
+# System-scope ordering for flags that other processes (and GPUs) poll: the IPC
+# all-gather's signalling (numba_cp.kernels.ipc). Acquire loads and release
+# stores at system scope, a system fence, a polite pause while spinning, and the
+# control words' atomics.
+
+
+if NAME == "sim":
+
+    def flag_load(flags, index):
+        """``flags[index]`` as seen by the whole system (acquire)."""
+        return np.int64(flags[index])
+
+    def flag_store(flags, index, value):
+        """``flags[index] = value`` visible to the whole system (release)."""
+        flags[index] = value
+
+    def fence_system():
+        pass  # the simulator's stores are plain NumPy stores: already in order
+
+    def spin_pause():
+        time.sleep(2e-4)  # let ranks sharing a core run; a simulated poll is slow anyway
+
+elif NAME == "cuda":
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def _flag_pointer(context, builder, array_type, array, index_type, index):
+        index = context.cast(builder, index, index_type, types.intp)
+        struct = context.make_array(array_type)(context, builder, value=array)
+        return cgutils.get_item_pointer(context, builder, array_type, struct, [index],
+                                        wraparound=False)
+
+    def _is_flag_array(array, index):
+        return (isinstance(array, types.Array) and array.ndim == 1
+                and array.dtype == types.int64 and isinstance(index, types.Integer))
+
+    @intrinsic
+    def _ld_acquire_sys(typingctx, array, index):
+        if not _is_flag_array(array, index):
+            return None
+        signature = types.int64(array, index)
+
+        def codegen(context, builder, sig, args):
+            pointer = _flag_pointer(context, builder, sig.args[0], args[0], sig.args[1],
+                                    args[1])
+            word = ir.IntType(64)
+            asm = ir.InlineAsm(ir.FunctionType(word, [word.as_pointer()]),
+                               "ld.acquire.sys.b64 $0, [$1];", "=l,l,~{memory}",
+                               side_effect=True)
+            return builder.call(asm, [pointer])
+
+        return signature, codegen
+
+    @intrinsic
+    def _st_release_sys(typingctx, array, index, value):
+        if not _is_flag_array(array, index) or not isinstance(value, types.Integer):
+            return None
+        signature = types.void(array, index, value)
+
+        def codegen(context, builder, sig, args):
+            pointer = _flag_pointer(context, builder, sig.args[0], args[0], sig.args[1],
+                                    args[1])
+            stored = context.cast(builder, args[2], sig.args[2], types.int64)
+            word = ir.IntType(64)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [word.as_pointer(), word]),
+                               "st.release.sys.b64 [$0], $1;", "l,l,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [pointer, stored])
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def flag_load(flags, index):
+        return _ld_acquire_sys(flags, index)
+
+    @cuda.jit(device=True, inline=True)
+    def flag_store(flags, index, value):
+        _st_release_sys(flags, index, value)
+
+    @cuda.jit(device=True, inline=True)
+    def fence_system():
+        cuda.threadfence_system()
+
+    @cuda.jit(device=True, inline=True)
+    def spin_pause():
+        cuda.nanosleep(64)
+
+elif NAME == "hip":
+    # numba-hip 0.2.1's cuda.atomic.* are HIP C++'s scalar atomicAdd(...) wrappers and do
+    # not type on array elements (see numba_cp.kernels.primitives), so everything here is
+    # a small LLVM intrinsic. LLVM's default synchronisation scope is the whole system,
+    # which is what AMDGPU needs for peers on other GPUs (xGMI) and in other processes.
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.hip.extending import intrinsic
+
+    def _element_pointer(context, builder, array_type, array, index_type, index):
+        index = context.cast(builder, index, index_type, types.intp)
+        struct = context.make_array(array_type)(context, builder, value=array)
+        return cgutils.get_item_pointer(context, builder, array_type, struct, [index],
+                                        wraparound=False)
+
+    def _is_word_array(array, index):
+        return (isinstance(array, types.Array) and array.ndim == 1
+                and array.dtype == types.int64 and isinstance(index, types.Integer))
+
+    @intrinsic
+    def _load_acquire(typingctx, array, index):
+        if not _is_word_array(array, index):
+            return None
+
+        def codegen(context, builder, sig, args):
+            pointer = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1],
+                                       args[1])
+            return builder.load_atomic(pointer, "acquire", 8)
+
+        return types.int64(array, index), codegen
+
+    @intrinsic
+    def _store_release(typingctx, array, index, value):
+        if not _is_word_array(array, index) or not isinstance(value, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            pointer = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1],
+                                       args[1])
+            stored = context.cast(builder, args[2], sig.args[2], types.int64)
+            builder.store_atomic(stored, pointer, "release", 8)
+            return context.get_dummy_value()
+
+        return types.void(array, index, value), codegen
+
+    @intrinsic
+    def _add(typingctx, array, index, value):
+        if not _is_word_array(array, index) or not isinstance(value, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            pointer = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1],
+                                       args[1])
+            value = context.cast(builder, args[2], sig.args[2], types.int64)
+            return builder.atomic_rmw("add", pointer, value, "monotonic")
+
+        return types.int64(array, index, value), codegen
+
+    @intrinsic
+    def _cas(typingctx, array, index, old, value):
+        if not (_is_word_array(array, index) and isinstance(old, types.Integer)
+                and isinstance(value, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            pointer = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1],
+                                       args[1])
+            old = context.cast(builder, args[2], sig.args[2], types.int64)
+            value = context.cast(builder, args[3], sig.args[3], types.int64)
+            pair = builder.cmpxchg(pointer, old, value, "monotonic", "monotonic")
+            return builder.extract_value(pair, 0)
+
+        return types.int64(array, index, old, value), codegen
+
+    @intrinsic
+    def _fence_seq_cst(typingctx):
+        def codegen(context, builder, sig, args):
+            builder.fence("seq_cst")
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @intrinsic
+    def _s_sleep(typingctx):
+        def codegen(context, builder, sig, args):
+            sleep = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(32)]),
+                "llvm.amdgcn.s.sleep")
+            builder.call(sleep, [ir.Constant(ir.IntType(32), 1)])  # ~64 clocks
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def flag_load(flags, index):
+        return _load_acquire(flags, index)
+
+    @cuda.jit(device=True, inline=True)
+    def flag_store(flags, index, value):
+        _store_release(flags, index, value)
+
+    @cuda.jit(device=True, inline=True)
+    def fence_system():
+        _fence_seq_cst()
+
+    @cuda.jit(device=True, inline=True)
+    def spin_pause():
+        _s_sleep()
+
+else:  # pragma: no cover - backend.py admits only the names above
+    raise ImportError(f"no IPC primitives for backend {NAME!r}")
+
+
+if NAME == "hip":
+
+    @cuda.jit(device=True, inline=True)
+    def ctrl_add(ctrl, index, value):
+        """``ctrl[index] += value`` atomically (this GPU only); returns the old value."""
+        return _add(ctrl, index, value)
+
+    @cuda.jit(device=True, inline=True)
+    def ctrl_cas(ctrl, index, old, value):
+        """``ctrl[index] = value`` if it holds ``old``, atomically; returns what it held."""
+        return _cas(ctrl, index, old, value)
+
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def ctrl_add(ctrl, index, value):
+        """``ctrl[index] += value`` atomically (this GPU only); returns the old value."""
+        return cuda.atomic.add(ctrl, index, value)
+
+    @cuda.jit(device=True, inline=True)
+    def ctrl_cas(ctrl, index, old, value):
+        """``ctrl[index] = value`` if it holds ``old``, atomically; returns what it held."""
+        return cuda.atomic.cas(ctrl, index, old, value)

@@ -12,7 +12,8 @@ Cases:
 
 ``values``
     For each transport in ``--transports`` (``host``, ``staged``,
-    ``mpi-device``, or ``auto``/``auto-host`` for :func:`choose_transport` with
+    ``mpi-device``, ``ipc``, ``nccl``, or ``auto``/``auto-host`` for
+    :func:`choose_transport` with
     ``device=True``/``False``) and each dtype (int64 keys, float16, uint16 as a
     bf16 view), set up once and all-gather two rounds of rank-specific data;
     ``recv`` must equal every rank's send, byte for byte.
@@ -21,6 +22,13 @@ Cases:
     dtype (``--what dtype``); every rank must get the same ValueError from setup.
 ``choose``
     Only call ``choose_transport`` (for the unknown-name error).
+
+``--fake-nccl`` replaces ``cupy.cuda.nccl`` by ``fake_nccl.py`` (NCCL over MPI
+on host memory), so the ``nccl`` transport runs under the simulator.
+``--ipc-probe RANKS`` makes :func:`numba_cp.transport.ipc_probe` answer yes on
+the listed ranks (``all``, ``none`` or ``0,2``) and the GPU-identity and
+peer-access probes agree, so ``auto`` exercises the collective IPC choice;
+the simulator then runs the chosen ``ipc`` transport on host shared memory.
 """
 
 from __future__ import annotations
@@ -165,6 +173,24 @@ def case_choose(args, comm):
     return 0
 
 
+def patch_probes(args, comm):
+    rank = comm.Get_rank()
+    if args.fake_nccl:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import fake_nccl
+
+        fake_nccl.reset(comm)
+        T._nccl_module = lambda: fake_nccl
+    if args.ipc_probe is not None:
+        spec = args.ipc_probe.strip()
+        yes = (set(range(comm.Get_size())) if spec == "all" else set() if spec == "none"
+               else {int(r) for r in spec.split(",")})
+        T.ipc_probe = lambda: ((True, "patched probe") if rank in yes else
+                               (False, f"patched off on rank {rank}"))
+        T._gpu_identity = lambda: "sim-gpu"
+        T._peer_access = lambda identities: (True, "patched peer access")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", type=int, required=True, help="the world size expected")
@@ -173,8 +199,11 @@ def main():
     parser.add_argument("--what", choices=("shape", "dtype"), default="shape")
     parser.add_argument("--device", type=int, choices=(0, 1), default=1)
     parser.add_argument("--out-dir", help="also write each rank's lines to a file here")
+    parser.add_argument("--fake-nccl", action="store_true")
+    parser.add_argument("--ipc-probe", default=None)
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
+    patch_probes(args, comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     if args.out_dir:
         global LOG

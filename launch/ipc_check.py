@@ -1,0 +1,517 @@
+"""Device-side all-gather on a real GPU: the IPC transport (and NCCL) checked end to end.
+
+    mpirun --allow-run-as-root --oversubscribe -n 2 python launch/ipc_check.py
+    mpirun --allow-run-as-root --oversubscribe -n 4 python launch/ipc_check.py
+
+Every rank may share one GPU (the processes then open each other's IPC handles
+on the same device) or have its own. Rank 0 prints one line per check, after
+every rank has reported on it::
+
+    PASS  <check>  <detail>
+    FAIL  <check>  rank(s) R: <what went wrong>; ...
+    SKIP  <check>  <why>
+
+and a last ``ipc_check: N passed, M failed, K skipped`` line. Exit status: 0
+when nothing failed, 1 otherwise (2: the job itself broke).
+
+Checks:
+
+``choose``
+    ``choose_transport(comm, device=True)`` picks ``ipc`` (every rank on one
+    node, CuPy IPC available); prints the reason. (Under the simulator: does
+    *not* pick it.)
+``eager <dtype> <shape>``
+    ``IPCAllGather`` all-gathers rank-specific data exactly, several rounds
+    (both halves of the double buffer, twice), for int64 keys, float16, an
+    odd-sized uint8 payload (byte-wise path) and a tiny one.
+``eager back-to-back``
+    ``--calls`` all-gathers queued without any host synchronisation, the send
+    buffer rewritten in place on the stream before each and every result
+    copied aside on the stream: ranks drift apart on the device, which is
+    exactly what double buffering must survive. All verified at the end.
+``graph replay``
+    one all-gather captured in a CUDA/HIP graph (CuPy stream capture), replayed
+    ``--replays`` times with the send buffer rewritten in place (on the
+    stream) before each replay; every ``--verify-every``-th result (and the
+    last) copied aside and verified; the device epoch must equal the number of
+    calls made. ``--skew-us`` makes the last rank pause now and then so the
+    others really wait.
+``timeout and poison``
+    with a small spin limit only rank 0 calls: its wait must give up (no hang)
+    and ``check()`` must say so; its next call poisons the peers, whose
+    ``check()`` must report rank 0.
+``exchange graph``
+    ``CandidateExchange(transport="ipc")`` on a decode workload: eager result
+    and a captured pack -> gather -> merge graph, replayed with the scores
+    switched in place between two workloads, equal the unsharded oracle.
+``nccl self``
+    (CuPy with NCCL only) ``NCCLAllGather`` on one-rank communicators (one per
+    process, so ranks sharing a GPU are fine): setup, eager, capture, replays.
+    ``--nccl-world`` also runs it on the whole communicator (one GPU per rank).
+
+Under ``NUMBA_CP_BACKEND=sim`` the same script runs on the CPU (IPC emulated
+with host shared memory, "graphs" replayed eagerly, smaller defaults): the
+test suite runs it that way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mpi4py import MPI  # noqa: E402
+
+import numba_cp  # noqa: E402
+from numba_cp import reference as ref  # noqa: E402
+from numba_cp import transport as T  # noqa: E402
+from numba_cp.arrays import device_copy, host_copy  # noqa: E402
+from numba_cp.backend import cuda, is_simulator  # noqa: E402
+
+SIM = is_simulator
+
+
+# ---------------------------------------------------------------------------
+# Device helpers: CuPy on a GPU, the simulator's arrays on the CPU
+
+
+class Device:
+    def __init__(self):
+        if not SIM:
+            import cupy
+
+            self.cp = cupy
+
+    def put(self, host):
+        return device_copy(np.ascontiguousarray(host), simulated_device=True)
+
+    def get(self, array):
+        return host_copy(array)
+
+    def empty_like_host(self, host):
+        return self.put(np.zeros_like(host))
+
+    def stream(self):
+        return 0 if SIM else self.cp.cuda.Stream(non_blocking=True)
+
+    def sync(self, stream):
+        if not SIM:
+            stream.synchronize()
+
+    def copy(self, dst, src, stream):
+        """``dst[...] = src`` on ``stream`` (device to device, not waited for)."""
+        if SIM:
+            np.asarray(dst)[...] = np.asarray(src)
+        else:
+            with stream:
+                dst[...] = src
+
+    def add(self, dst, src, value, stream):
+        """``dst[...] = src + value`` on ``stream``."""
+        if SIM:
+            np.add(np.asarray(src), np.asarray(value, dtype=np.asarray(src).dtype),
+                   out=np.asarray(dst))
+        else:
+            with stream:
+                self.cp.add(src, src.dtype.type(value), out=dst)
+
+    def capture(self, work, stream):
+        """Record ``work(stream)`` once (after one eager run); returns ``replay()``."""
+        if SIM:
+            return lambda: work(stream)
+        work(stream)  # compile, and do any lazy setup, outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            work(stream)
+        finally:
+            graph = stream.end_capture()
+        return lambda: graph.launch(stream)
+
+
+DEV = Device()
+
+
+# ---------------------------------------------------------------------------
+# Payloads
+
+
+def payload(rank, round_, shape, dtype):
+    """Rank- and round-specific bytes of ``shape``/``dtype`` (no NaN, all bits used)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    if dtype == np.int64:
+        values = (np.arange(n, dtype=np.int64) * 1_000_003 + rank * 10**12 + round_ * 7 + 1)
+        values[::5] = -values[::5]
+        if n:
+            values[rank % n] = np.iinfo(np.int64).max - rank
+        return values.reshape(shape)
+    if dtype == np.float16:
+        return ((np.arange(n) - n / 2) * 0.25 + rank * 100 + round_ * 0.5).astype(
+            np.float16).reshape(shape)
+    rng = np.random.default_rng(1000 * rank + round_)
+    return rng.integers(0, 256, size=n * dtype.itemsize, dtype=np.uint8).view(dtype).reshape(
+        shape)
+
+
+def expected(world, round_, shape, dtype):
+    return np.stack([payload(q, round_, shape, dtype) for q in range(world)])
+
+
+def drift_base(rank, shape):
+    """int64 payload that later calls add small counts to (no overflow)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    values = np.arange(n, dtype=np.int64) * 1_000_003 + rank * 10**12 - 5 * 10**11
+    values[1::3] = -values[1::3]
+    return values.reshape(shape)
+
+
+def bad_blocks(got, want):
+    return [q for q in range(want.shape[0]) if got[q].tobytes() != want[q].tobytes()]
+
+
+# ---------------------------------------------------------------------------
+# Checks: each returns (ok, detail) on every rank; "skip" as ok=None
+
+
+def check_choose(comm, args):
+    transport = T.choose_transport(comm, device=True)
+    # The simulator never picks IPC by itself (it is only emulated when forced).
+    ok = (transport.name != "ipc") if SIM else (transport.name == "ipc")
+    return ok, f"{transport.name}: {transport.reason}"
+
+
+def check_eager(comm, args, shape, dtype, rounds=4):
+    rank, world = comm.Get_rank(), comm.Get_size()
+    stream = DEV.stream()
+    problems = []
+    t0 = time.perf_counter()
+    with T.IPCAllGather(comm, spin_limit=args.spin_limit).setup(shape, dtype) as t:
+        for round_ in range(rounds):
+            send_host = payload(rank, round_, shape, dtype)
+            send = DEV.put(send_host)
+            nbytes = world * send_host.nbytes
+            recv = DEV.put(np.full(nbytes, 0x5A, np.uint8).view(dtype).reshape(
+                (world,) + tuple(shape)))
+            t.all_gather(send, recv, stream=stream)
+            DEV.sync(stream)
+            got = DEV.get(recv)
+            want = expected(world, round_, shape, dtype)
+            if got.tobytes() != want.tobytes():
+                problems.append(f"round {round_}: wrong blocks {bad_blocks(got, want)}")
+            if DEV.get(send).tobytes() != send_host.tobytes():
+                problems.append(f"round {round_}: send was modified")
+        state = t.check()
+        if state["epoch"] != rounds:
+            problems.append(f"device epoch {state['epoch']} after {rounds} calls")
+    elapsed = (time.perf_counter() - t0) / rounds * 1e6
+    return not problems, "; ".join(problems) or f"{rounds} rounds, ~{elapsed:.0f} us/call"
+
+
+def _drifting_calls(comm, args, calls, replay_factory, label):
+    """Shared by the back-to-back and graph checks: in-place send updates, results aside."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    shape, dtype = (args.heads, args.tokens, args.topk), np.int64
+    stream = DEV.stream()
+    base_host = drift_base(rank, shape)
+    base = DEV.put(base_host)
+    send = DEV.put(base_host)
+    recv = DEV.put(np.zeros((world,) + shape, dtype))
+    verify_at = sorted(set(range(0, calls, args.verify_every)) | {calls - 1})
+    history = DEV.put(np.zeros((len(verify_at), world) + shape, dtype))
+    problems = []
+    with T.IPCAllGather(comm, spin_limit=args.spin_limit).setup(shape, dtype) as t:
+        replay, warmups = replay_factory(t, send, recv, stream)
+        DEV.sync(stream)
+        comm.Barrier()
+        t0 = time.perf_counter()
+        k = 0
+        for i in range(calls):
+            DEV.add(send, base, i + 1, stream)  # in place, on the stream: no host sync
+            replay()
+            if i == verify_at[k]:
+                DEV.copy(history[k], recv, stream)
+                k += 1
+            if args.skew_us and rank == world - 1 and i % 97 == 0:
+                time.sleep(args.skew_us * 1e-6)  # the others' waits really wait now
+        DEV.sync(stream)
+        elapsed = (time.perf_counter() - t0) / calls * 1e6
+        got = DEV.get(history)
+        base_all = np.stack([drift_base(q, shape) for q in range(world)])
+        wrong = [i for k, i in enumerate(verify_at)
+                 if not np.array_equal(got[k], base_all + (i + 1))]
+        if wrong:
+            problems.append(f"{len(wrong)}/{len(verify_at)} verified results wrong, first at "
+                            f"call {wrong[0]}")
+        try:
+            state = t.check()
+        except T.IPCTimeoutError as exc:
+            problems.append(str(exc))
+        else:
+            if state["epoch"] != calls + warmups:
+                problems.append(f"device epoch {state['epoch']} after {calls + warmups} calls")
+    detail = (f"{calls} {label}, {len(verify_at)} verified, ~{elapsed:.1f} us/call "
+              f"(payload {int(np.prod(shape)) * 8} B/rank)")
+    return not problems, "; ".join(problems) or detail
+
+
+def check_back_to_back(comm, args):
+    def factory(t, send, recv, stream):
+        return (lambda: t.all_gather(send, recv, stream=stream)), 0
+
+    return _drifting_calls(comm, args, args.calls, factory, "eager calls")
+
+
+def check_graph(comm, args):
+    def factory(t, send, recv, stream):
+        replay = DEV.capture(lambda s: t.all_gather(send, recv, stream=s), stream)
+        return replay, (0 if SIM else 1)  # the eager run before the capture is a call too
+
+    return _drifting_calls(comm, args, args.replays, factory, "graph replays")
+
+
+def check_timeout(comm, args):
+    rank, world = comm.Get_rank(), comm.Get_size()
+    if world < 2:
+        return None, "needs two ranks"
+    shape = (16,)
+    stream = DEV.stream()
+    send = DEV.put(payload(rank, 0, shape, np.int64))
+    recv = DEV.put(np.zeros((world,) + shape, np.int64))
+    problems = []
+    t = T.IPCAllGather(comm, spin_limit=args.timeout_polls).setup(shape, np.int64)
+    try:
+        if rank == 0:
+            t0 = time.perf_counter()
+            t.all_gather(send, recv, stream=stream)  # nobody else calls: must give up
+            DEV.sync(stream)
+            waited = time.perf_counter() - t0
+            state = t.state()
+            if state["error_epoch"] != 1 or state["error_peer"] != 1:
+                problems.append(f"expected a timeout of call 1 waiting for rank 1, got {state}")
+            t.all_gather(send, recv, stream=stream)  # poisons the peers, does not wait
+            DEV.sync(stream)
+        comm.Barrier()
+        if rank != 0:
+            t.all_gather(send, recv, stream=stream)
+            DEV.sync(stream)
+        try:
+            t.check()
+            problems.append("check() raised nothing")
+        except T.IPCTimeoutError as exc:
+            want = "gave up waiting for rank 1" if rank == 0 else "rank 0 gave up"
+            if want not in str(exc):
+                problems.append(f"check() said {exc!s}, expected {want!r}")
+        comm.Barrier()
+    finally:
+        t.teardown()
+    detail = f"spin limit {args.timeout_polls} polls"
+    if rank == 0 and not problems:
+        detail += f", rank 0 gave up after {waited * 1e3:.1f} ms"
+    return not problems, "; ".join(problems) or detail
+
+
+def check_exchange(comm, args):
+    from numba_cp.exchange import CandidateExchange, ExchangeConfig
+    from numba_cp.workload import decode_workload
+
+    rank, world = comm.Get_rank(), comm.Get_size()
+    works = [decode_workload(heads=args.heads, batch=args.batch, query_len=1,
+                             context=args.context, seed=seed) for seed in (11, 12)]
+    # one seq_lens for both (the captured graph reads the same seq_lens buffer)
+    seq_host = works[0].seq_lens
+    config = ExchangeConfig(heads=args.heads, max_tokens=works[0].tokens, topk=args.topk,
+                            world=world, global_blocks=works[0].global_blocks)
+    shards = [DEV.put(ref.shard_scores(w.full_scores, rank=rank, world=world,
+                                       global_blocks=w.global_blocks)) for w in works]
+    oracle = [ref.global_topk(w.full_scores, seq_host, topk=args.topk, query_len=1,
+                              global_blocks=w.global_blocks, init_blocks=1, local_blocks=2)
+              for w in works]
+    scores = DEV.put(DEV.get(shards[0]))
+    seq_lens = DEV.put(seq_host)
+    stream = DEV.stream()
+    problems = []
+    with CandidateExchange(comm, config, transport="ipc") as plan:
+        if plan.transport.name != "ipc" or not plan.gather_is_capturable:
+            problems.append(f"plan uses {plan.describe()}")
+        got = DEV.get(plan(scores, seq_lens, stream=stream))
+        if not np.array_equal(got, oracle[0]):
+            problems.append("eager exchange differs from the oracle")
+        captured = plan.capture(scores, seq_lens, stream=stream)
+        replays = max(4, args.replays // 50)
+        history = DEV.put(np.zeros((replays,) + oracle[0].shape, np.int32))
+        t0 = time.perf_counter()
+        for i in range(replays):
+            DEV.copy(scores, shards[i % 2], stream)
+            out = captured.replay()
+            DEV.copy(history[i], out, stream)
+        DEV.sync(stream)
+        elapsed = (time.perf_counter() - t0) / replays * 1e6
+        got = DEV.get(history)
+        wrong = [i for i in range(replays) if not np.array_equal(got[i], oracle[i % 2])]
+        if wrong:
+            problems.append(f"replays {wrong[:8]} differ from the oracle")
+        transport = plan._transports.get(config.max_tokens)
+        if transport is not None and hasattr(transport, "check"):
+            try:
+                transport.check()
+            except T.IPCTimeoutError as exc:
+                problems.append(str(exc))
+    detail = (f"heads={args.heads} batch={args.batch} context={args.context} topk={args.topk}: "
+              f"eager + {replays} replays exact, ~{elapsed:.0f} us/replay")
+    return not problems, "; ".join(problems) or detail
+
+
+def _nccl_round_trip(comm, args, label):
+    try:
+        T._nccl_module()
+    except Exception as exc:
+        return None, f"no NCCL ({type(exc).__name__}: {exc})"
+    rank, world = comm.Get_rank(), comm.Get_size()
+    shape, dtype = (args.heads, args.tokens, args.topk), np.int64
+    stream = DEV.stream()
+    problems = []
+    with T.NCCLAllGather(comm).setup(shape, dtype) as t:
+        send = DEV.put(payload(rank, 0, shape, dtype))
+        recv = DEV.put(np.zeros((world,) + shape, dtype))
+        t.all_gather(send, recv, stream=stream)
+        DEV.sync(stream)
+        if DEV.get(recv).tobytes() != expected(world, 0, shape, dtype).tobytes():
+            problems.append("eager all-gather wrong")
+        base = DEV.put(drift_base(rank, shape))
+        DEV.copy(send, base, stream)
+        replay = DEV.capture(lambda s: t.all_gather(send, recv, stream=s), stream)
+        for i in range(20):
+            DEV.add(send, base, i + 1, stream)
+            replay()
+        DEV.sync(stream)
+        if not np.array_equal(DEV.get(recv),
+                              np.stack([drift_base(q, shape) for q in range(world)]) + 20):
+            problems.append("graph replays wrong")
+    return not problems, "; ".join(problems) or f"{label}: eager + capture + 20 replays exact"
+
+
+def check_nccl_self(comm, args):
+    single = comm.Split(comm.Get_rank(), 0)
+    try:
+        return _nccl_round_trip(single, args, "one-rank communicators")
+    finally:
+        single.Free()
+
+
+def check_nccl_world(comm, args):
+    return _nccl_round_trip(comm, args, f"{comm.Get_size()} ranks")
+
+
+# ---------------------------------------------------------------------------
+# Driver
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replays", type=int, default=12 if SIM else 1000)
+    p.add_argument("--verify-every", type=int, default=4 if SIM else 50)
+    p.add_argument("--calls", type=int, default=8 if SIM else 200,
+                   help="back-to-back eager calls")
+    p.add_argument("--heads", type=int, default=2 if SIM else 4)
+    p.add_argument("--tokens", type=int, default=3 if SIM else 64)
+    p.add_argument("--topk", type=int, default=8 if SIM else 16)
+    p.add_argument("--batch", type=int, default=3 if SIM else 64)
+    p.add_argument("--context", type=int, default=4096 if SIM else 131072)
+    p.add_argument("--skew-us", type=float, default=0 if SIM else 200,
+                   help="the last rank sleeps this long every 97 calls")
+    p.add_argument("--spin-limit", type=int, default=None,
+                   help="polls before an IPC wait gives up, for the checks' transports "
+                        "(default: NUMBA_CP_IPC_SPIN_LIMIT or numba_cp.ipc.SPIN_LIMIT)")
+    p.add_argument("--timeout-polls", type=int, default=20 if SIM else 1 << 14,
+                   help="the spin limit of the timeout check")
+    p.add_argument("--nccl-world", action="store_true",
+                   help="also NCCL over the whole communicator (one GPU per rank)")
+    p.add_argument("--only", default=None, help="comma-separated check name prefixes")
+    return p.parse_args(argv)
+
+
+def bind_device(comm):
+    if SIM:
+        return "cpu (simulator)"
+    import cupy
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    device = local.Get_rank() % cupy.cuda.runtime.getDeviceCount()
+    local.Free()
+    cupy.cuda.Device(device).use()
+    cuda.select_device(device)
+    return f"gpu{device} {numba_cp.backend.describe()}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    where = comm.gather(f"rank {rank}: {MPI.Get_processor_name()} {bind_device(comm)}", root=0)
+    if rank == 0:
+        print(f"ipc_check | numba_cp {numba_cp.__version__} | backend {numba_cp.backend.NAME} "
+              f"| world {world} | MPI {MPI.Get_library_version().splitlines()[0].strip()}")
+        for line in where:
+            print(f"      {line}")
+        sys.stdout.flush()
+    checks = [("choose", check_choose)]
+    for shape, dtype in (((args.heads, args.tokens, args.topk), np.int64), ((2, 3, 4), np.float16),
+                         ((5, 7), np.uint8), ((3,), np.int64)):
+        checks.append((f"eager {np.dtype(dtype).name} {shape}",
+                       lambda c, a, s=shape, d=dtype: check_eager(c, a, s, d)))
+    checks += [("eager back-to-back", check_back_to_back), ("graph replay", check_graph),
+               ("timeout and poison", check_timeout), ("exchange graph", check_exchange),
+               ("nccl self", check_nccl_self)]
+    if args.nccl_world:
+        checks.append(("nccl world", check_nccl_world))
+    if args.only:
+        prefixes = [p.strip() for p in args.only.split(",")]
+        checks = [(n, f) for n, f in checks if any(n.startswith(p) for p in prefixes)]
+    counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
+    for name, check in checks:
+        try:
+            ok, detail = check(comm, args)
+        except Exception as exc:  # reported like a failure; the next check still runs
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+            traceback.print_exc(file=sys.stderr)
+        reports = comm.gather((ok, detail), root=0)
+        if rank == 0:
+            if any(o is False for o, _ in reports):
+                verdict = "FAIL"
+                by_detail = {}
+                for r, (o, d) in enumerate(reports):
+                    if o is False:
+                        by_detail.setdefault(d, []).append(str(r))
+                detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(rs)}: {d}"
+                                   for d, rs in by_detail.items())
+            elif all(o is None for o, _ in reports):
+                verdict, detail = "SKIP", reports[0][1]
+            else:
+                verdict, detail = "PASS", reports[0][1]
+            counts[verdict] += 1
+            print(f"{verdict}  {name}  {detail}", flush=True)
+    status = 1 if comm.bcast(counts["FAIL"] if rank == 0 else None, root=0) else 0
+    if rank == 0:
+        print(f"ipc_check: {counts['PASS']} passed, {counts['FAIL']} failed, "
+              f"{counts['SKIP']} skipped (world {world})", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(2)
+        os._exit(2)
+    sys.exit(code)

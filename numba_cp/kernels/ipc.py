@@ -1,0 +1,227 @@
+"""Device side of the IPC all-gather (:class:`numba_cp.transport.IPCAllGather`).
+
+Every rank owns one *exchange buffer*, mapped into every peer's address space
+(CUDA/HIP IPC on a GPU; host shared memory under the simulator)::
+
+    flags  int64[world + 1]   flags[q]: the last call rank q has fully delivered
+                              here; flags[world]: poison (a rank that timed out)
+    data   [2][world][slot]   data[e & 1][q]: rank q's payload of call e
+
+and a private control word array ``ctrl`` (:data:`EPOCH`, :data:`COUNTER`,
+:data:`ERR_EPOCH`, :data:`ERR_PEER`). One all-gather is three launches on the
+caller's stream, none of which the host waits for or decides anything from:
+
+1. :func:`ipc_bump_kernel` -- ``ctrl[EPOCH] += 1``. The epoch ``e`` lives on
+   the device, so a captured graph replays the *same* kernels and still moves
+   on to a new epoch each time (a host epoch argument would be frozen in it).
+2. :func:`ipc_push_kernel` (one launch per :data:`GROUP` peers) -- writes
+   ``send`` into ``data[e & 1][rank]`` of every peer, fences at system scope
+   and, from the grid's last block, stores ``e`` into ``flags[rank]`` of every
+   peer (release).
+3. :func:`ipc_wait_copy_kernel` -- every block waits until each own
+   ``flags[q] >= e`` (acquire), bounded by ``spin_limit`` polls, then copies
+   ``data[e & 1]`` into ``recv``.
+
+Why two halves (double buffering by epoch parity) and ``>=`` and not a second
+barrier: a rank only passes step 3 of call ``e`` once every peer has *started*
+call ``e`` (its flag reached ``e``), and a peer starts call ``e`` only after
+its own step 3 of call ``e - 1`` -- its copy-out of half ``(e - 1) & 1`` --
+is done (stream order). So a fast rank that runs ahead into call ``e + 1``
+writes half ``(e + 1) & 1``, which no peer reads any more (their call
+``e - 1`` copy-outs are finished), and cannot reach call ``e + 2`` -- which
+writes half ``e & 1`` again -- before every peer has started call ``e + 1``,
+i.e. finished copying out call ``e``. A rank is therefore at most one call
+ahead of the slowest, and two halves are exactly enough: no second "done"
+barrier (a second round of flags and waits per call) is needed. A fast rank
+can however move a slow peer's flag from ``e`` to ``e + 1`` before the slow
+peer looked at it, hence the wait for ``flags[q] >= e`` (flags only grow, and
+int64 never wraps) rather than ``== e``; the payload of call ``e`` in half
+``e & 1`` is still intact then, as shown above.
+
+Failure: a wait that polls ``spin_limit`` times without seeing every flag
+gives up instead of hanging: it records ``ERR_EPOCH`` (the call) and
+``ERR_PEER`` (rank + 1 of the first missing peer) once, and stops waiting on
+every later call. Its next push first stores ``rank + 1`` into every peer's
+``flags[world]`` (poison, before any data of that call), since giving up
+breaks the one-call-ahead bound and a later push may overwrite a half a slow
+peer still reads; peers that see poison stop waiting too, so no rank spins
+for long once one has given up. The host reads the error words with
+:meth:`~numba_cp.transport.IPCAllGather.check` (a host synchronisation, so
+outside the hot path): data gathered from the failing call on is garbage.
+
+Calls of one transport must be ordered (one stream, or the caller orders
+the streams); :data:`COUNTER` and the epoch assume it.
+
+Memory ordering, per backend (the helpers live in :mod:`.primitives`, like every
+per-target primitive; nothing here differs between targets):
+``cuda`` polls with ``ld.acquire.sys`` and signals with ``st.release.sys``
+(inline PTX, sm_70+), fences with ``membar.sys`` (``cuda.threadfence_system``)
+and naps with ``nanosleep`` while polling; ``hip`` uses LLVM ``load atomic
+acquire`` / ``store atomic release`` / ``fence seq_cst`` (LLVM's default scope
+is the whole system) and ``s_sleep``, as intrinsics, since numba-hip's
+``cuda.atomic.*`` do not type on array elements; the simulator uses plain
+NumPy loads and stores (each flag has a single writer) and sleeps briefly
+while polling so that ranks sharing a CPU core make progress. The control
+words' atomics (:func:`ctrl_add`, :func:`ctrl_cas`) are ``cuda.atomic.add`` /
+``cas`` except on HIP (``atomicrmw`` / ``cmpxchg``).
+"""
+
+from __future__ import annotations
+
+
+from numba import int64
+
+from ..backend import cuda
+from .primitives import ctrl_add, ctrl_cas, fence_system, flag_load, flag_store, spin_pause
+
+__all__ = [
+    "EPOCH", "COUNTER", "ERR_EPOCH", "ERR_PEER", "CTRL_WORDS", "GROUP",
+    "slot_base",
+    "ipc_bump_kernel", "ipc_push_kernel", "ipc_wait_copy_kernel",
+]
+
+# ctrl (private to a rank) word indices
+EPOCH = 0  # calls started so far; call e works with epoch e (first call: 1)
+COUNTER = 1  # blocks of the current push launch that are done (last-block pattern)
+ERR_EPOCH = 2  # the first call whose wait timed out (0: none)
+ERR_PEER = 3  # 1 + the peer that call was still waiting for
+CTRL_WORDS = 8
+
+GROUP = 8  # peers one push launch serves (kernel arguments d0..d7, f0..f7)
+
+
+def slot_base(epoch, world, rank, slot):
+    """Element offset of rank ``rank``'s payload of call ``epoch`` in a data area.
+
+    Pure Python as well as a device function, so the protocol model in the
+    tests addresses the halves exactly as the kernels do.
+    """
+    return ((epoch & 1) * world + rank) * slot
+
+
+_slot_base = cuda.jit(device=True, inline=True)(slot_base)
+
+
+# ---------------------------------------------------------------------------
+# Kernels
+
+
+@cuda.jit
+def ipc_bump_kernel(ctrl):
+    """``ctrl[EPOCH] += 1``: the next call's epoch (one thread)."""
+    if cuda.threadIdx.x == 0 and cuda.blockIdx.x == 0:
+        ctrl[EPOCH] = ctrl[EPOCH] + 1
+
+
+@cuda.jit(device=True, inline=True)
+def _copy_slot(dst, src, base, start, step, count):
+    i = start
+    while i < count:
+        dst[base + i] = src[i]
+        i += step
+
+
+@cuda.jit(device=True)
+def _copy_to(p, d0, d1, d2, d3, d4, d5, d6, d7, src, base, start, step, count):
+    if p == 0:
+        _copy_slot(d0, src, base, start, step, count)
+    elif p == 1:
+        _copy_slot(d1, src, base, start, step, count)
+    elif p == 2:
+        _copy_slot(d2, src, base, start, step, count)
+    elif p == 3:
+        _copy_slot(d3, src, base, start, step, count)
+    elif p == 4:
+        _copy_slot(d4, src, base, start, step, count)
+    elif p == 5:
+        _copy_slot(d5, src, base, start, step, count)
+    elif p == 6:
+        _copy_slot(d6, src, base, start, step, count)
+    elif p == 7:
+        _copy_slot(d7, src, base, start, step, count)
+
+
+@cuda.jit(device=True)
+def _store_to(p, f0, f1, f2, f3, f4, f5, f6, f7, index, value):
+    if p == 0:
+        flag_store(f0, index, value)
+    elif p == 1:
+        flag_store(f1, index, value)
+    elif p == 2:
+        flag_store(f2, index, value)
+    elif p == 3:
+        flag_store(f3, index, value)
+    elif p == 4:
+        flag_store(f4, index, value)
+    elif p == 5:
+        flag_store(f5, index, value)
+    elif p == 6:
+        flag_store(f6, index, value)
+    elif p == 7:
+        flag_store(f7, index, value)
+
+
+@cuda.jit
+def ipc_push_kernel(ctrl, send, count, slot, world, rank, npeers,
+                    d0, d1, d2, d3, d4, d5, d6, d7, f0, f1, f2, f3, f4, f5, f6, f7):
+    """Deliver ``send`` (``count`` elements) to ``npeers <= GROUP`` peers.
+
+    Grid ``(blocks, npeers)``: ``blockIdx.y`` picks the peer, whose data area
+    is ``d<y>`` and flag area ``f<y>`` (unused ones may repeat any array).
+    """
+    tid = cuda.threadIdx.x
+    p = cuda.blockIdx.y
+    e = ctrl[EPOCH]
+    if tid == 0 and ctrl[ERR_EPOCH] != 0:
+        # This rank gave up waiting once: poison the peer before this call's data
+        # can overwrite a half that a slow peer may still read.
+        _store_to(p, f0, f1, f2, f3, f4, f5, f6, f7, world, int64(rank + 1))
+        fence_system()
+    cuda.syncthreads()
+    base = _slot_base(e, world, rank, slot)
+    _copy_to(p, d0, d1, d2, d3, d4, d5, d6, d7, send, base,
+             cuda.blockIdx.x * cuda.blockDim.x + tid, cuda.gridDim.x * cuda.blockDim.x, count)
+    fence_system()  # this thread's payload stores, visible system-wide ...
+    cuda.syncthreads()  # ... for the whole block ...
+    if tid == 0:
+        blocks = cuda.gridDim.x * cuda.gridDim.y
+        if ctrl_add(ctrl, COUNTER, int64(1)) == blocks - 1:
+            # ... and, in the last block to finish, for the whole grid: signal.
+            ctrl[COUNTER] = 0  # the next launch starts after this one (same stream)
+            fence_system()
+            for q in range(npeers):
+                _store_to(q, f0, f1, f2, f3, f4, f5, f6, f7, rank, e)
+
+
+@cuda.jit(device=True)
+def _wait_all(ctrl, flags, world, e, spin_limit):
+    """Poll until every ``flags[q] >= e``; give up after ``spin_limit`` polls."""
+    polls = 0
+    for q in range(world):
+        while flag_load(flags, q) < e:
+            if ctrl[ERR_EPOCH] != 0 or flag_load(flags, world) != 0:
+                return  # this rank or a peer gave up before: results are marked bad
+            polls += 1
+            if polls >= spin_limit:
+                if ctrl_cas(ctrl, ERR_EPOCH, int64(0), e) == 0:
+                    ctrl[ERR_PEER] = q + 1
+                return
+            spin_pause()
+
+
+@cuda.jit
+def ipc_wait_copy_kernel(ctrl, flags, data, recv, count, slot, world, spin_limit):
+    """Wait for every peer's payload of this call, then ``data[e & 1] -> recv``."""
+    tid = cuda.threadIdx.x
+    e = ctrl[EPOCH]
+    if tid == 0:
+        _wait_all(ctrl, flags, world, e, spin_limit)
+        fence_system()  # acquire for the whole block (with the barrier below)
+    cuda.syncthreads()
+    total = world * count
+    i = cuda.blockIdx.x * cuda.blockDim.x + tid
+    step = cuda.gridDim.x * cuda.blockDim.x
+    while i < total:
+        q = i // count
+        recv[i] = data[_slot_base(e, world, q, slot) + (i - q * count)]
+        i += step
