@@ -102,10 +102,8 @@ def _load(name: str):
     if name == "hip":
         try:
             from numba import hip
-        except Exception as exc:  # numba-hip parses HIP headers at import time
-            raise BackendError(
-                "ROCm toolchain not found: numba-hip needs ROCm's comgr, libclang and "
-                f"hiprtc builtins to import ({type(exc).__name__}: {exc})") from None
+        except Exception as exc:  # numba-hip loads ROCm's compiler libraries at import time
+            raise BackendError(_hip_import_failure(exc)) from None
         hip.pose_as_cuda()
         from numba import cuda
         cuda._numba_cp_hip = True
@@ -118,6 +116,35 @@ def _load(name: str):
     if not COMPILE_ONLY and not cuda.is_available():
         raise BackendError("NUMBA_CP_BACKEND=cuda but no usable NVIDIA GPU/driver was found")
     return cuda
+
+
+# Why `from numba import hip` failed, keyed by a fragment of the error it raises.
+_LOAD = "numba-hip could not load "
+_HIP_FAILURES = (
+    ("cannot import name 'hip'", "numba-hip is not installed (pip install numba-hip; it pins "
+                                 "numba<0.64, so give it an environment of its own)"),
+    ("No module named 'numba.hip'", "numba-hip is not installed (pip install numba-hip)"),
+    ("rocm_sysdeps", _LOAD + "the zlib/zstd of TheRock's ROCm (librocm_sysdeps_z.so.1 and "
+                     "librocm_sysdeps_zstd.so.1, looked up in /opt/rocm/lib/rocm_sysdeps/lib "
+                     "and $LD_LIBRARY_PATH) that its bundled libLLVM links to"),
+    ("amd_comgr", _LOAD + "ROCm's code object manager (libamd_comgr.so in $ROCM_PATH/lib)"),
+    ("libclang", _LOAD + "ROCm's libclang ($ROCM_PATH/llvm/lib/libclang.so*)"),
+    ("clang resource directory", _LOAD + "clang's resource headers "
+                                 "($ROCM_PATH/llvm/lib/clang/<version>/include)"),
+    ("hiprtc-builtins", _LOAD + "ROCm's hipRTC builtins (libhiprtc-builtins.so in $ROCM_PATH/lib)"),
+    ("no ROCm installation found", _LOAD + "a ROCm installation ($ROCM_PATH, $ROCM_HOME or "
+                                   "/opt/rocm)"),
+    ("GLIBC_", _LOAD + "ROCm's libraries, which need a newer glibc than this system's"),
+)
+
+
+def _hip_import_failure(exc: BaseException) -> str:
+    """One sentence naming what `from numba import hip` was missing."""
+    text = " ".join(str(exc).split())
+    cause = f"{type(exc).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+    reason = next((why for fragment, why in _HIP_FAILURES if fragment in text),
+                  _LOAD + "ROCm's compiler libraries (comgr, libclang, hipRTC builtins)")
+    return f"ROCm toolchain not found: {reason} ({cause})"
 
 
 def _lock_simulated_shared_arrays():
