@@ -29,6 +29,8 @@ def test_every_kernel_compiles_to_an_amdgpu_code_object():
     proc = subprocess.run(["bash", "tools/rocm_compile_check.sh"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1700)
     print(proc.stdout)
+    if proc.returncode == 3:  # a registry or the network said no: nothing was compiled
+        pytest.skip(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
     rows = [line for line in proc.stdout.splitlines()
             if "[cap=" in line.split(" ", 1)[0] and len(line.split()) > 2]

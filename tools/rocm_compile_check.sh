@@ -44,6 +44,8 @@ KEYRING=${DEBIAN_KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}
 MULTIARCH=x86_64-linux-gnu
 
 die() { echo "rocm_compile_check: $*" >&2; exit 2; }
+# Exit 3 means "could not fetch a package" (registry or network), not a compile failure.
+unfetched() { echo "rocm_compile_check: could not fetch $*" >&2; exit 3; }
 [ "$(uname -m)" = x86_64 ] || die "needs an x86-64 machine (this is $(uname -m))"
 for tool in apt-get apt-cache dpkg-deb; do
   command -v "$tool" >/dev/null || die "needs $tool (Debian or Ubuntu) to fetch ROCm's compiler pieces"
@@ -55,7 +57,8 @@ echo "== venv $VENV: $NUMBA_HIP_SPEC"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check "$NUMBA_HIP_SPEC" "numpy<2.4"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "$NUMBA_HIP_SPEC" "numpy<2.4" \
+  || unfetched "$NUMBA_HIP_SPEC from PyPI"
 
 # --- 2. ROCm compiler pieces from Debian, into the private prefix ------------
 APT_DIR="$PREFIX/apt"
@@ -75,7 +78,7 @@ if [ -n "${ROCM_CHECK_REFRESH:-}" ] || [ ! -f "$PREFIX/.unpacked" ]; then
            "$PREFIX/debs" "$UNPACKED"
   : > "$APT_DIR/state/status"
   echo "deb [signed-by=$KEYRING] $DEBIAN_MIRROR $DEBIAN_SUITE main" > "$APT_DIR/sources.list"
-  apt-get "${apt_opts[@]}" -qq update
+  apt-get "${apt_opts[@]}" -qq update || unfetched "Debian's package lists"
   # comgr is built against one LLVM; take that LLVM's libclang, lld and device libs.
   llvm_major=$(apt-cache "${apt_opts[@]}" depends "$COMGR_PACKAGE" \
                | sed -n 's/.*Depends: libllvm\([0-9][0-9]*\).*/\1/p' | head -n1)
@@ -88,7 +91,8 @@ if [ -n "${ROCM_CHECK_REFRESH:-}" ] || [ ! -f "$PREFIX/.unpacked" ]; then
       --no-suggests --no-conflicts --no-breaks --no-replaces --no-enhances "${wanted[@]}" \
       | grep -v '^[ <]' | sort -u)
   packages+=(zlib1g-dev)
-  (cd "$PREFIX/debs" && apt-get "${apt_opts[@]}" -qq download "${packages[@]}")
+  (cd "$PREFIX/debs" && apt-get "${apt_opts[@]}" -qq download "${packages[@]}") \
+    || unfetched "ROCm's compiler packages from Debian"
   : > "$PREFIX/versions.txt"
   for deb in "$PREFIX"/debs/*.deb; do
     dpkg-deb -x "$deb" "$UNPACKED"
