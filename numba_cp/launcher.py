@@ -108,52 +108,83 @@ class KernelLaunch:
 
 
 class _DirectLaunch:
-    """numba-cuda only: the compiled specialisation launched straight through cuda.core."""
+    """numba-cuda only: the compiled specialisation launched with ``cuLaunchKernel``.
+
+    Every kernel parameter here is 8 bytes (Numba flattens an array into
+    meminfo, parent, size, itemsize, data, shape..., strides...; the scalars
+    are int64), so the parameter block is one int64 array built once, with a
+    pointer per parameter into it; a call rewrites the data pointers and
+    launches. Should the driver call itself refuse its arguments, it falls back
+    to ``cuda.core.launch`` with the same values.
+    """
 
     def __init__(self, launch: KernelLaunch, args):
-        from cuda.core import LaunchConfig
-        from cuda.core import launch as core_launch
-        from numba.cuda._compat import CUDA_CORE_GE_1_0
+        import ctypes
+        import threading
+
+        from cuda.bindings import driver
 
         dispatcher = launch.kernel
         argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
         compiled = dispatcher.overloads[argtypes]
         if compiled.cooperative or compiled.debug or compiled.extensions:
             raise RuntimeError("not a plain kernel")
-        self.cu_kernel = compiled._codelibrary.get_cufunc().kernel
-        block = launch.block if isinstance(launch.block, tuple) else (launch.block,)
-        options = dict(grid=launch.grid, block=block, shmem_size=0)
-        options["is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch"] = False
-        self.config = LaunchConfig(**options)
-        self.core_launch = core_launch
-        self.template = []
-        self.pointer_slots = []  # (index in template, which array, leading axis)
+        cufunc = compiled._codelibrary.get_cufunc()
+        self.cu_kernel = cufunc.kernel
+        self.driver = driver
+        self.function = cufunc.handle  # a CUfunction or a CUkernel: both launch
+        values, self.pointer_slots = [], []  # (index in values, which array)
         for (kind, i), value in zip(launch.order, args):
             if kind == "s":
-                self.template.append(_scalar(value))
+                values.append(_scalar(value))
                 continue
-            self.pointer_slots.append((len(self.template) + 4, i))
-            self.template.extend(_array_fields(value))
-        self.arrays = launch.arrays
+            self.pointer_slots.append((len(values) + 4, i))
+            values.extend(_array_fields(value))
+        self.values = (ctypes.c_int64 * len(values))(*values)
+        base = ctypes.addressof(self.values)
+        self.params = (ctypes.c_void_p * len(values))(*[base + 8 * k for k in range(len(values))])
+        self.params_address = ctypes.addressof(self.params)
+        grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
+        block = launch.block if isinstance(launch.block, tuple) else (launch.block,)
+        self.dims = grid + tuple(block) + (1,) * (3 - len(block))
+        self.lock = threading.Lock()  # the parameter block is shared by calls
+        self.use_driver = True
 
     def __call__(self, objects, stream, pointers=None):
-        params = list(self.template)
-        for slot, i in self.pointer_slots:
-            params[slot] = (pointers[i] if pointers is not None
-                            else objects[i].__cuda_array_interface__["data"][0])
-        self.core_launch(resolve_stream(stream), self.config, self.cu_kernel, *params)
+        stream = resolve_stream(stream)
+        with self.lock:
+            for slot, i in self.pointer_slots:
+                self.values[slot] = (pointers[i] if pointers is not None
+                                     else objects[i].__cuda_array_interface__["data"][0])
+            if self.use_driver:
+                try:
+                    (status,) = self.driver.cuLaunchKernel(
+                        self.function, *self.dims, 0, stream.handle, self.params_address, 0)
+                except (TypeError, ValueError):  # the binding refused the arguments
+                    self.use_driver = False
+                else:
+                    if status != self.driver.CUresult.CUDA_SUCCESS:
+                        raise RuntimeError(f"cuLaunchKernel failed: {status!r}")
+                    return
+            self._core_launch(stream)
+
+    def _core_launch(self, stream):
+        from cuda.core import LaunchConfig, launch
+        from numba.cuda._compat import CUDA_CORE_GE_1_0
+
+        options = dict(grid=self.dims[:3], block=self.dims[3:], shmem_size=0)
+        options["is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch"] = False
+        launch(stream, LaunchConfig(**options), self.cu_kernel, *[int(v) for v in self.values])
 
 
 def _scalar(value):
-    import ctypes
-
     if isinstance(value, (bool, np.bool_)):
         raise TypeError("boolean kernel scalars are not used here")
-    return ctypes.c_int64(int(value))
+    return int(value)
 
 
 def _array_fields(device_array):
     """Numba's flattened array argument: meminfo, parent, size, itemsize, data, shape, strides."""
     itemsize = device_array.dtype.itemsize
-    return [0, 0, device_array.size, itemsize, device_array.device_ctypes_pointer.value,
+    return [0, 0, device_array.size, itemsize, device_array.device_ctypes_pointer.value or 0,
             *device_array.shape, *device_array.strides]

@@ -16,9 +16,18 @@ on the element's address (relaxed ordering, as CUDA's ``atomicAdd`` is).
 import time
 
 import numpy as np
-from numba import int64
+from llvmlite import ir
+from numba import int64, types
 
 from ..backend import NAME, cuda
+
+# Writing intrinsics differs by target only in where these two live.
+if NAME == "cuda":
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+elif NAME == "hip":
+    from numba.core import cgutils
+    from numba.hip.extending import intrinsic
 
 __all__ = ["float_bits", "shared_atomic_add", "atomic_add", "atomic_exch", "flag_load",
            "flag_store", "fence_system", "spin_pause", "ctrl_add", "ctrl_cas"]
@@ -37,11 +46,8 @@ elif NAME == "cuda":
         return int64(libdevice.float_as_int(x)) & 0xFFFFFFFF
 
 elif NAME == "hip":
-    from llvmlite import ir
-    from numba import hip, types
-    from numba.core import cgutils
+    from numba import hip
     from numba.hip.amdgcn import ADDRSPACE_SHARED
-    from numba.hip.extending import intrinsic
 
     @cuda.jit(device=True, inline=True)
     def float_bits(x):
@@ -137,10 +143,6 @@ if NAME == "sim":
         time.sleep(2e-4)  # let ranks sharing a core run; a simulated poll is slow anyway
 
 elif NAME == "cuda":
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda import cgutils
-    from numba.cuda.extending import intrinsic
 
     def _flag_pointer(context, builder, array_type, array, index_type, index):
         index = context.cast(builder, index, index_type, types.intp)
@@ -209,10 +211,6 @@ elif NAME == "hip":
     # not type on array elements (see numba_cp.kernels.primitives), so everything here is
     # a small LLVM intrinsic. LLVM's default synchronisation scope is the whole system,
     # which is what AMDGPU needs for peers on other GPUs (xGMI) and in other processes.
-    from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
-    from numba.hip.extending import intrinsic
 
     def _element_pointer(context, builder, array_type, array, index_type, index):
         index = context.cast(builder, index, index_type, types.intp)

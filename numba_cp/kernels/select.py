@@ -43,19 +43,20 @@ def bitonic_sort_descending(values, size):
     nthreads = cuda.blockDim.x
     span = 2
     while span <= size:
-        stride = span // 2
+        stride = span >> 1
         while stride > 0:
-            for pair in range(tid, size // 2, nthreads):
-                i = 2 * stride * (pair // stride) + (pair % stride)
-                j = i + stride
+            low = stride - 1  # strides are powers of two: no (emulated 64-bit) division
+            for pair in range(tid, size >> 1, nthreads):
+                i = ((pair & ~low) << 1) | (pair & low)
+                j = i | stride
                 a = values[i]
                 b = values[j]
                 if (a < b) == ((i & span) == 0):
                     values[i] = b
                     values[j] = a
             cuda.syncthreads()
-            stride //= 2
-        span *= 2
+            stride >>= 1
+        span <<= 1
 
 
 @cuda.jit(device=True)

@@ -16,7 +16,7 @@ from .select import SCRATCH, STATE_SLOTS, make_block_topk
 
 # ctx tuples handed to the candidate functions
 # shard:    (head, row, rank, world, init_blocks, local_start)
-# gathered: (head, row, per_shard, init_blocks, local_start)
+# gathered: (head, row, per_shard, log2(per_shard) or -1, init_blocks, local_start)
 
 
 @cuda.jit(device=True, inline=True)
@@ -28,8 +28,14 @@ def shard_candidate_key(scores, ctx, column):
 
 @cuda.jit(device=True, inline=True)
 def gathered_candidate_key(keys, ctx, i):
-    head, row, per_shard, init_blocks, local_start = ctx
-    key = keys[i // per_shard, head, row, i % per_shard]
+    head, row, per_shard, shift, init_blocks, local_start = ctx
+    if shift >= 0:  # per_shard is a power of two (it usually is topk): no division
+        rank = i >> shift
+        column = i & (per_shard - 1)
+    else:
+        rank = i // per_shard
+        column = i - rank * per_shard
+    key = keys[rank, head, row, column]
     if key == 0:
         return int64(0)
     return repin_key(key, init_blocks, local_start)
@@ -82,8 +88,13 @@ def _merge_select(capacity):
         causal_len = causal_len_of(seq_lens[request], row - request * query_len, query_len)
         valid_blocks = valid_blocks_of(causal_len)
         local_start = max(valid_blocks - local_blocks, 0)
-        per_shard = keys.shape[3]
-        ctx = (head, row, int64(per_shard), init_blocks, local_start)
+        per_shard = int64(keys.shape[3])
+        shift = int64(-1)
+        if per_shard & (per_shard - 1) == 0:
+            shift = 0
+            while (int64(1) << shift) < per_shard:
+                shift += 1
+        ctx = (head, row, per_shard, shift, init_blocks, local_start)
         block_topk(keys, ctx, keys.shape[0] * per_shard, topk, sel, hist, state)
         kept = min(topk, valid_blocks)
         for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
