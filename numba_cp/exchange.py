@@ -157,6 +157,7 @@ class CandidateExchange:
             self._sbt = place(np.zeros(merged * c.max_tokens * c.topk * PAGES, np.int32))
             self._ctx = place(np.zeros(merged * c.max_tokens, np.int32))
         self._views = {}
+        self._captured = []  # invalidated on close: their graphs use the plan's buffers
 
     def _place(self, host):
         return device_copy(host, simulated_device=self._device_payload)
@@ -248,7 +249,21 @@ class CandidateExchange:
 
     # -- life cycle ---------------------------------------------------------------
 
+    def check(self):
+        """Raise if a device-side gather gave up (the IPC transport's timeout).
+
+        Synchronises with the device: call it outside the hot path, e.g.
+        before trusting results.
+        """
+        for transport in self._transports.values():
+            if hasattr(transport, "check"):
+                transport.check()
+
     def close(self):
+        """Tear the transports down; captured exchanges of this plan stop replaying."""
+        for captured in self._captured:
+            captured.invalidate()
+        self._captured.clear()
         for transport in self._transports.values():
             transport.teardown()
         self._transports.clear()
@@ -309,8 +324,10 @@ class CandidateExchange:
         else:
             segments = [(_Graph.record(pack, stream), gather),
                         (_Graph.record(merge, stream), None)]
-        return CapturedExchange(segments, self._views_for(tokens)[3:], self.config.sparse_table,
-                                stream)
+        captured = CapturedExchange(segments, self._views_for(tokens)[3:],
+                                    self.config.sparse_table, stream)
+        self._captured.append(captured)
+        return captured
 
 
 class _Graph:
@@ -342,8 +359,13 @@ class CapturedExchange:
         idx, sbt, ctx = outputs
         self.outputs = (idx, sbt, ctx) if sparse_table else idx
 
+    def invalidate(self):
+        self._segments = None
+
     def replay(self, stream=None):
         """Collective when the gather is MPI. Returns the plan's output arrays."""
+        if self._segments is None:
+            raise RuntimeError("this captured exchange's plan was closed: its buffers are gone")
         stream = self._stream if stream is None else stream
         for graph, host_step in self._segments:  # graph.replay(s) launches on s
             graph.replay(stream)

@@ -189,3 +189,15 @@ def test_graph_replay_through_mpi_gather_is_exact(mpiexec, tmp_path, n):
     assert status == 0, output[-4000:]
     result = json.loads(out.read_text())
     assert result["exact"] is True and "graph_replay" in result["stages"]
+
+
+def test_closing_the_plan_stops_its_captured_exchanges():
+    scores = to_device(np.zeros((3, 4, 20), np.float32))
+    seq = to_device(np.full(2, 999, np.int32))
+    plan = CandidateExchange(MPI.COMM_SELF, small_config(), threads=4)
+    captured = plan.capture(scores, seq)
+    captured.replay()
+    plan.check()
+    plan.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        captured.replay()
