@@ -101,7 +101,12 @@ class Device:
         return 0 if SIM else self.cp.cuda.Stream(non_blocking=True)
 
     def sync(self, stream):
-        if not SIM:
+        """Wait for ``stream``, or for the whole device when it is None."""
+        if SIM:
+            return
+        if stream is None:
+            self.cp.cuda.Device().synchronize()
+        else:
             stream.synchronize()
 
     def copy(self, dst, src, stream):
@@ -340,7 +345,10 @@ def check_exchange(comm, args):
     with CandidateExchange(comm, config, transport="ipc") as plan:
         if plan.transport.name != "ipc" or not plan.gather_is_capturable:
             problems.append(f"plan uses {plan.describe()}")
-        got = DEV.get(plan(scores, seq_lens, stream=stream))
+        DEV.sync(None)  # the uploads ran on the current stream; the plan runs on `stream`
+        result = plan(scores, seq_lens, stream=stream)
+        DEV.sync(stream)  # and the read-back is not ordered after `stream` either
+        got = DEV.get(result)
         if not np.array_equal(got, oracle[0]):
             problems.append("eager exchange differs from the oracle")
         captured = plan.capture(scores, seq_lens, stream=stream)
