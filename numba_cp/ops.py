@@ -21,8 +21,15 @@ __all__ = ["local_topk_keys", "merge_topk_keys", "DEFAULT_THREADS", "DEFAULT_SOR
 DEFAULT_THREADS = 8 if is_simulator else 128
 # The most keys a row sorts (never fewer than topk): rows with more candidates
 # are radix-selected until the survivors fit, then sorted. A tile above topk
-# saves radix passes; a smaller one saves sort stages.
-DEFAULT_SORT_LIMIT = 64 if is_simulator else 256
+# saves radix passes; a smaller one saves sort stages. On the H200 a tile of
+# max(64, 2 * topk) was the best or within a few percent of it for every case of
+# the benchmark's launch sweep (BENCHMARKS.md); the simulator keeps 64 so
+# that the tests take both paths.
+DEFAULT_SORT_LIMIT = 64
+
+
+def default_sort_limit(topk: int) -> int:
+    return DEFAULT_SORT_LIMIT if is_simulator else max(DEFAULT_SORT_LIMIT, 2 * topk)
 
 
 _SHARD_LAUNCHES = LaunchCache()
@@ -69,7 +76,7 @@ def _next_pow2(n: int) -> int:
 def _launch_shape(topk: int, candidates: int, threads, sort_limit):
     threads = DEFAULT_THREADS if threads is None else validate.integer(
         "threads", threads, low=1, high=1025)
-    sort_limit = DEFAULT_SORT_LIMIT if sort_limit is None else validate.integer(
+    sort_limit = default_sort_limit(topk) if sort_limit is None else validate.integer(
         "sort_limit", sort_limit, low=1, high=MAX_TOPK + 1)
     capacity = _next_pow2(max(topk, min(candidates, sort_limit)))
     return threads, capacity
