@@ -28,8 +28,16 @@ DEFAULT_THREADS = 8 if is_simulator else 128
 DEFAULT_SORT_LIMIT = 64
 
 
-def default_sort_limit(topk: int) -> int:
-    return DEFAULT_SORT_LIMIT if is_simulator else max(DEFAULT_SORT_LIMIT, 2 * topk)
+# A merge row of up to this many candidates was fastest sorted outright.
+MERGE_SORT_ALL = 256
+
+
+def default_sort_limit(topk: int, candidates: int, merge: bool) -> int:
+    if is_simulator:
+        return DEFAULT_SORT_LIMIT
+    if merge and candidates <= MERGE_SORT_ALL:
+        return MERGE_SORT_ALL
+    return max(DEFAULT_SORT_LIMIT, 2 * topk)
 
 
 _SHARD_LAUNCHES = LaunchCache()
@@ -73,11 +81,13 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _launch_shape(topk: int, candidates: int, threads, sort_limit):
+def _launch_shape(topk: int, candidates: int, threads, sort_limit, merge=False):
     threads = DEFAULT_THREADS if threads is None else validate.integer(
         "threads", threads, low=1, high=1025)
-    sort_limit = default_sort_limit(topk) if sort_limit is None else validate.integer(
-        "sort_limit", sort_limit, low=1, high=MAX_TOPK + 1)
+    if sort_limit is None:
+        sort_limit = default_sort_limit(topk, candidates, merge)
+    else:
+        sort_limit = validate.integer("sort_limit", sort_limit, low=1, high=MAX_TOPK + 1)
     capacity = _next_pow2(max(topk, min(candidates, sort_limit)))
     return threads, capacity
 
@@ -266,7 +276,7 @@ def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride,
     tables = _table_arrays(heads, tokens, topk, requests, attention_block_table,
                            sparse_block_table_out, sparse_context_lens_out, block_page_stride)
 
-    threads, capacity = _launch_shape(topk, world * per_shard, threads, sort_limit)
+    threads, capacity = _launch_shape(topk, world * per_shard, threads, sort_limit, merge=True)
     if not (heads and tokens):
         return _NoWork()
     order = [("a", 0), ("a", 2), ("a", 1), ("s", 0), ("s", 1), ("s", 2)]
