@@ -128,16 +128,10 @@ class Device:
 
     def capture(self, work, stream):
         """Record ``work(stream)`` once (after one eager run); returns ``replay()``."""
-        if SIM:
-            return lambda: work(stream)
-        work(stream)  # compile, and do any lazy setup, outside the capture
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            work(stream)
-        finally:
-            graph = stream.end_capture()
-        return lambda: graph.launch(stream)
+        from numba_cp.exchange import record_graph
+
+        replay = record_graph(work, stream)
+        return lambda: replay(stream)
 
 
 DEV = Device()

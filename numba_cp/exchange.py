@@ -31,7 +31,8 @@ from .errors import RankAgreementError
 from .ops import local_topk_keys, merge_topk_keys
 from .transport import choose_transport, takes_device_arrays
 
-__all__ = ["ExchangeConfig", "CandidateExchange", "CapturedExchange", "owned_heads"]
+__all__ = ["ExchangeConfig", "CandidateExchange", "CapturedExchange", "owned_heads",
+           "record_graph"]
 
 
 @dataclass(frozen=True)
@@ -319,35 +320,32 @@ class CandidateExchange:
                               stream=s)
 
         if self.gather_is_capturable:
-            segments = [(_Graph.record(lambda s: (pack(s), gather(s), merge(s)), stream),
-                         None)]
+            segments = [(record_graph(lambda s: (pack(s), gather(s), merge(s)), stream), None)]
         else:
-            segments = [(_Graph.record(pack, stream), gather),
-                        (_Graph.record(merge, stream), None)]
+            segments = [(record_graph(pack, stream), gather), (record_graph(merge, stream), None)]
         captured = CapturedExchange(segments, self._views_for(tokens)[3:],
                                     self.config.sparse_table, stream)
         self._captured.append(captured)
         return captured
 
 
-class _Graph:
-    """One captured stream segment (a CUDA/HIP graph via CuPy; eager under the simulator)."""
+def record_graph(work, stream):
+    """Run ``work(stream)`` once eagerly, then capture it on ``stream`` (a CuPy
+    stream) as a CUDA/HIP graph; returns ``replay(stream)``, which launches it.
 
-    def __init__(self, replay):
-        self.replay = replay
-
-    @classmethod
-    def record(cls, work, stream):
-        if is_simulator:
-            return cls(work)
-        work(stream)  # compile and set up outside the capture
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            work(stream)
-        finally:
-            graph = stream.end_capture()
-        return cls(graph.launch)
+    The eager run compiles kernels and does any lazy setup outside the capture.
+    Under the simulator there are no graphs: ``replay`` is ``work`` itself.
+    """
+    if is_simulator:
+        return work
+    work(stream)
+    stream.synchronize()
+    stream.begin_capture()
+    try:
+        work(stream)
+    finally:
+        graph = stream.end_capture()
+    return graph.launch
 
 
 class CapturedExchange:
@@ -367,8 +365,8 @@ class CapturedExchange:
         if self._segments is None:
             raise RuntimeError("this captured exchange's plan was closed: its buffers are gone")
         stream = self._stream if stream is None else stream
-        for graph, host_step in self._segments:  # graph.replay(s) launches on s
-            graph.replay(stream)
+        for replay_graph, host_step in self._segments:
+            replay_graph(stream)
             if host_step is not None:
                 host_step(stream)
         return self.outputs

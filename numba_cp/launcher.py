@@ -21,7 +21,7 @@ import numpy as np
 from .arrays import as_kernel_array, resolve_stream, with_leading_axis
 from .backend import NAME, is_simulator
 
-__all__ = ["array_signature", "context_token", "KernelLaunch", "LaunchCache"]
+__all__ = ["array_signature", "call_signature", "context_token", "KernelLaunch", "LaunchCache"]
 
 _MAX_CACHED = 4096
 
@@ -54,14 +54,48 @@ def context_token():
     return int(context)
 
 
+def call_signature(arrays, scalars):
+    """``(cache key, data pointers)`` of a call; ``(None, None)`` when an argument
+    cannot be keyed (then: no cache).
+
+    Scalars are keyed with their types: 2.0 == 2 and True == 1, yet they
+    validate differently. The CUDA context is in the key, since a compiled
+    kernel belongs to one context.
+    """
+    keyed, pointers = [], []
+    for array in arrays:
+        if array is None:
+            keyed.append(None)
+            pointers.append(None)
+            continue
+        signature = array_signature(array)
+        if signature is None:
+            return None, None
+        keyed.append(signature[0])
+        pointers.append(signature[1])
+    try:
+        key = (tuple(keyed), tuple((type(v), v) for v in scalars), hash(tuple(scalars)),
+               context_token())
+    except TypeError:  # an unhashable scalar: let validation name it
+        return None, None
+    return key, pointers
+
+
 class LaunchCache(dict):
     """signature -> KernelLaunch, bounded (a long-lived process sees few shapes)."""
 
-    def remember(self, key, launch):
-        if len(self) >= _MAX_CACHED:
-            self.clear()
-        self[key] = launch
-        return launch
+    def launch_for(self, arrays, scalars, plan):
+        """The validated launch for this call (``plan(arrays, *scalars)`` builds a new
+        one, validating), and the arrays' data pointers."""
+        key, pointers = call_signature(arrays, scalars)
+        launch = self.get(key) if key is not None else None
+        if launch is None:
+            launch = plan(arrays, *scalars)
+            if key is not None:
+                if len(self) >= _MAX_CACHED:
+                    self.clear()
+                self[key] = launch
+        return launch, pointers
 
 
 class KernelLaunch:

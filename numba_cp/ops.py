@@ -13,7 +13,7 @@ from .arrays import as_kernel_array, with_leading_axis
 from .backend import is_simulator
 from .constants import MAX_GLOBAL_BLOCKS, MAX_TOPK, PAGES
 from .kernels.topk import merge_sparse_table_kernel, merge_topk_kernel, shard_topk_kernel
-from .launcher import KernelLaunch, LaunchCache, array_signature, context_token
+from .launcher import KernelLaunch, LaunchCache
 
 __all__ = ["local_topk_keys", "merge_topk_keys", "DEFAULT_THREADS", "DEFAULT_SORT_LIMIT"]
 
@@ -49,32 +49,6 @@ class _NoWork:
 
     def __call__(self, objects, stream=None, pointers=None):
         return None
-
-
-def _signature(arrays, scalars):
-    """``(cache key, data pointers)`` of a call; ``(None, None)`` when an argument
-    cannot be keyed (then: no cache).
-
-    Scalars are keyed with their types: 2.0 == 2 and True == 1, yet they
-    validate differently.
-    """
-    keyed, pointers = [], []
-    for array in arrays:
-        if array is None:
-            keyed.append(None)
-            pointers.append(None)
-            continue
-        signature = array_signature(array)
-        if signature is None:
-            return None, None
-        keyed.append(signature[0])
-        pointers.append(signature[1])
-    try:
-        key = (tuple(keyed), tuple((type(v), v) for v in scalars), hash(tuple(scalars)),
-               context_token())
-    except TypeError:  # an unhashable scalar: let validation name it
-        return None, None
-    return key, pointers
 
 
 def _next_pow2(n: int) -> int:
@@ -122,12 +96,7 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
     arrays = (scores, seq_lens, out)
     scalars = (topk, rank, world, query_len, global_blocks, init_blocks, local_blocks, threads,
                sort_limit)
-    key, pointers = _signature(arrays, scalars)
-    launch = _SHARD_LAUNCHES.get(key) if key is not None else None
-    if launch is None:
-        launch = _plan_local_topk(arrays, *scalars)
-        if key is not None:
-            _SHARD_LAUNCHES.remember(key, launch)
+    launch, pointers = _SHARD_LAUNCHES.launch_for(arrays, scalars, _plan_local_topk)
     launch(arrays, stream, pointers)
     return out
 
@@ -241,12 +210,7 @@ def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_b
     arrays = (keys, topk_idx, seq_lens, attention_block_table, sparse_block_table_out,
               sparse_context_lens_out)
     scalars = (query_len, init_blocks, local_blocks, block_page_stride, threads, sort_limit)
-    key, pointers = _signature(arrays, scalars)
-    launch = _MERGE_LAUNCHES.get(key) if key is not None else None
-    if launch is None:
-        launch = _plan_merge(arrays, *scalars)
-        if key is not None:
-            _MERGE_LAUNCHES.remember(key, launch)
+    launch, pointers = _MERGE_LAUNCHES.launch_for(arrays, scalars, _plan_merge)
     launch(arrays, stream, pointers)
     return topk_idx
 
