@@ -7,11 +7,12 @@ arrays' data pointers are read. Nothing a cached launch skips could differ
 between two calls with one signature, so validation is not given up.
 
 On numba-cuda the cached launch also bypasses Numba's per-call dispatch
-(argument typing and marshalling): the argument list of the compiled
+(argument typing and marshalling): the parameter block of the compiled
 specialisation is built once, with a slot for each array's pointer, and handed
-to ``cuda.core.launch``. That path reads a few numba-cuda internals; if any is
-missing (another numba-cuda version) it falls back, once and for good, to the
-portable path that every target uses: Numba's own dispatch.
+to ``cuLaunchKernel`` (``cuda.core.launch`` if the binding refuses it). That
+path reads a few numba-cuda internals; if any is missing (another numba-cuda
+version) it falls back, once and for good, to the portable path that every
+target uses: Numba's own dispatch.
 """
 
 from __future__ import annotations
