@@ -125,6 +125,18 @@ if NAME != "hip":
 # stores at system scope, a system fence, a polite pause while spinning, and the
 # control words' atomics.
 
+if NAME in ("cuda", "hip"):  # both targets' intrinsics address an int64 word alike
+
+    def _element_pointer(context, builder, array_type, array, index_type, index):
+        index = context.cast(builder, index, index_type, types.intp)
+        struct = context.make_array(array_type)(context, builder, value=array)
+        return cgutils.get_item_pointer(context, builder, array_type, struct, [index],
+                                        wraparound=False)
+
+    def _is_word_array(array, index):
+        return (isinstance(array, types.Array) and array.ndim == 1
+                and array.dtype == types.int64 and isinstance(index, types.Integer))
+
 
 if NAME == "sim":
 
@@ -144,24 +156,14 @@ if NAME == "sim":
 
 elif NAME == "cuda":
 
-    def _flag_pointer(context, builder, array_type, array, index_type, index):
-        index = context.cast(builder, index, index_type, types.intp)
-        struct = context.make_array(array_type)(context, builder, value=array)
-        return cgutils.get_item_pointer(context, builder, array_type, struct, [index],
-                                        wraparound=False)
-
-    def _is_flag_array(array, index):
-        return (isinstance(array, types.Array) and array.ndim == 1
-                and array.dtype == types.int64 and isinstance(index, types.Integer))
-
     @intrinsic
     def _ld_acquire_sys(typingctx, array, index):
-        if not _is_flag_array(array, index):
+        if not _is_word_array(array, index):
             return None
         signature = types.int64(array, index)
 
         def codegen(context, builder, sig, args):
-            pointer = _flag_pointer(context, builder, sig.args[0], args[0], sig.args[1],
+            pointer = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1],
                                     args[1])
             word = ir.IntType(64)
             asm = ir.InlineAsm(ir.FunctionType(word, [word.as_pointer()]),
@@ -173,12 +175,12 @@ elif NAME == "cuda":
 
     @intrinsic
     def _st_release_sys(typingctx, array, index, value):
-        if not _is_flag_array(array, index) or not isinstance(value, types.Integer):
+        if not _is_word_array(array, index) or not isinstance(value, types.Integer):
             return None
         signature = types.void(array, index, value)
 
         def codegen(context, builder, sig, args):
-            pointer = _flag_pointer(context, builder, sig.args[0], args[0], sig.args[1],
+            pointer = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1],
                                     args[1])
             stored = context.cast(builder, args[2], sig.args[2], types.int64)
             word = ir.IntType(64)
@@ -211,16 +213,6 @@ elif NAME == "hip":
     # not type on array elements (see numba_cp.kernels.primitives), so everything here is
     # a small LLVM intrinsic. LLVM's default synchronisation scope is the whole system,
     # which is what AMDGPU needs for peers on other GPUs (xGMI) and in other processes.
-
-    def _element_pointer(context, builder, array_type, array, index_type, index):
-        index = context.cast(builder, index, index_type, types.intp)
-        struct = context.make_array(array_type)(context, builder, value=array)
-        return cgutils.get_item_pointer(context, builder, array_type, struct, [index],
-                                        wraparound=False)
-
-    def _is_word_array(array, index):
-        return (isinstance(array, types.Array) and array.ndim == 1
-                and array.dtype == types.int64 and isinstance(index, types.Integer))
 
     @intrinsic
     def _load_acquire(typingctx, array, index):
