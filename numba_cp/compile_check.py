@@ -90,6 +90,17 @@ def ipc_specialisations():
 
 
 @contextlib.contextmanager
+def _stand_in_device(dispatcher, **attributes):
+    """While inside, ``dispatcher.get_current_device()`` answers a device with ``attributes``."""
+    real = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: SimpleNamespace(**attributes)
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = real
+
+
+@contextlib.contextmanager
 def _target_device(cc):
     """Let device functions compile for ``cc`` with no GPU present.
 
@@ -98,12 +109,8 @@ def _target_device(cc):
     """
     from numba.cuda import dispatcher
 
-    real = dispatcher.get_current_device
-    dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=cc)
-    try:
+    with _stand_in_device(dispatcher, compute_capability=cc):
         yield
-    finally:
-        dispatcher.get_current_device = real
 
 
 def compile_all(cc=(9, 0)):
@@ -151,12 +158,8 @@ def _target_arch(arch):
     """
     from numba.hip import dispatcher
 
-    real = dispatcher.get_current_device
-    dispatcher.get_current_device = lambda: SimpleNamespace(amdgpu_arch=arch)
-    try:
+    with _stand_in_device(dispatcher, amdgpu_arch=arch):
         yield
-    finally:
-        dispatcher.get_current_device = real
 
 
 def _find_lld(explicit=None):
