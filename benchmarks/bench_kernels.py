@@ -212,7 +212,7 @@ def run_case(name, args, torch):
                       sparse_block_table_out=cupy.zeros((tokens, topk * PAGES), cupy.int32),
                       sparse_context_lens_out=cupy.zeros((tokens,), cupy.int32))
 
-    launch = {}
+    launch = dict(method=args.method)
 
     def pack(stream):
         numba_cp.local_topk_keys(shards[0], seq_lens, topk=topk, rank=0, out=out,
@@ -229,17 +229,22 @@ def run_case(name, args, torch):
     if args.sweep_launch:
         # device time per launch shape; results never depend on it
         sweep = []
+        shapes = [("warp", t, n) for t in (32, 64, 128, 256) for n in (32, 64, 128, 256, 512)]
+        shapes += [("radix", t, n) for t in (64, 128, 256) for n in (64, 256, 1024)]
         with stream:
-            for threads in (32, 64, 128, 256):
-                for sort_limit in (64, 256, 1024, 2048):
-                    launch.update(threads=threads, sort_limit=sort_limit)
-                    entry = dict(threads=threads, sort_limit=sort_limit)
+            for method, threads, sort_limit in shapes:
+                launch.update(method=method, threads=threads, sort_limit=sort_limit)
+                entry = dict(method=method, threads=threads, sort_limit=sort_limit)
+                try:
                     if not table_on:
                         entry["pack_device_us"] = device_us(pack, stream, 20, 5)
                     entry["merge_device_us"] = device_us(merge, stream, 20, 5)
-                    sweep.append(entry)
+                except ValueError as exc:  # a shape this case's topk rules out
+                    entry["skipped"] = str(exc)
+                sweep.append(entry)
         row["launch_sweep"] = sweep
         launch.clear()
+        launch.update(method=args.method)
     with stream:
         if not table_on:
             row["pack_device_us"] = device_us(pack, stream, args.per_graph, args.replays)
@@ -333,6 +338,8 @@ def main(argv=None):
                    help="also time case b's whole exchange at world 1 as a captured graph")
     p.add_argument("--sweep-launch", action="store_true",
                    help="also time every threads x sort_limit launch shape per case")
+    p.add_argument("--method", choices=numba_cp.METHODS, default="auto",
+                   help="kernel family timed (the sweep tries both)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if numba_cp.backend.is_simulator:
@@ -368,7 +375,8 @@ def main(argv=None):
             if timed:
                 best = min(timed, key=lambda e: e[f"{stage}_device_us"])
                 print(f"case {row['case']} {stage}: best {best[f'{stage}_device_us']:.1f} us "
-                      f"at threads={best['threads']} sort_limit={best['sort_limit']}")
+                      f"at method={best['method']} threads={best['threads']} "
+                      f"sort_limit={best['sort_limit']}")
     replay = exchange_replay(args) if args.exchange else None
     if replay:
         print(f"exchange world 1, case b, captured graph replay: "

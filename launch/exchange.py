@@ -90,6 +90,8 @@ def parse_args(argv=None):
                                       "e.g. 8K,32K,128K")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG of the sweep here (matplotlib)")
+    p.add_argument("--method", choices=("auto", "warp", "radix"), default="auto",
+                   help="kernel family (numba_cp.METHODS)")
     p.add_argument("--threads", type=int, default=None, help="threads per kernel block")
     p.add_argument("--fail-rank", type=int, default=None,
                    help="(testing) raise on this rank after setup, to show the job aborts")
@@ -145,7 +147,7 @@ def run_once(comm, args, work: Workload):
             0, 1 << 20, size=(work.seq_lens.size, work.global_blocks), dtype=np.int32)
         table = device_copy(table_host)
     with CandidateExchange(comm, config, transport=args.transport,
-                           threads=args.threads) as plan:
+                           method=args.method, threads=args.threads) as plan:
         if args.fail_rank == rank:
             raise RuntimeError(f"--fail-rank {rank}: failing on purpose")
         timings = np.zeros((args.iters, 4))

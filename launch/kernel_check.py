@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=128)
     p.add_argument("--init-blocks", type=int, default=1)
     p.add_argument("--local-blocks", type=int, default=2)
+    p.add_argument("--method", choices=("auto", "warp", "radix"), default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -49,7 +50,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     for r, shard in enumerate(shards):
         numba_cp.local_topk_keys(device_copy(shard), seq_lens, topk=a.topk, rank=r,
-                                 out=gathered[r], threads=a.threads, **shard_args)
+                                 out=gathered[r], method=a.method, threads=a.threads,
+                                 **shard_args)
     requests = work.seq_lens.size
     table = np.random.default_rng(a.seed + 1).integers(
         0, 1 << 20, size=(requests, work.global_blocks), dtype=np.int32)
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
     ctx = device_copy(np.zeros((a.heads, work.tokens), np.int32))
     numba_cp.merge_topk_keys(gathered, topk_idx, seq_lens, attention_block_table=device_copy(table),
                              sparse_block_table_out=sbt, sparse_context_lens_out=ctx,
-                             threads=a.threads, **window)
+                             method=a.method, threads=a.threads, **window)
     got_keys, got_idx = host_copy(gathered), host_copy(topk_idx)
     got_sbt, got_ctx = host_copy(sbt), host_copy(ctx)
     print(f"kernels (first call, compile included): {time.perf_counter() - start:.2f} s")

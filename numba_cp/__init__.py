@@ -12,9 +12,9 @@ Importing this package selects the kernel target (see :mod:`numba_cp.backend`).
 from . import backend, reference
 from .constants import PAGES, SPARSE_BLOCK
 from .errors import RankAgreementError
-from .ops import local_topk_keys, merge_topk_keys
+from .ops import METHODS, local_topk_keys, merge_topk_keys
 
-__all__ = ["local_topk_keys", "merge_topk_keys", "CandidateExchange", "ExchangeConfig",
+__all__ = ["local_topk_keys", "merge_topk_keys", "METHODS", "CandidateExchange", "ExchangeConfig",
            "RankAgreementError", "reference", "backend", "PAGES", "SPARSE_BLOCK"]
 
 

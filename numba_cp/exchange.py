@@ -120,11 +120,12 @@ class CandidateExchange:
         config: the :class:`ExchangeConfig`, identical on every rank.
         transport: a transport name to force (see :mod:`numba_cp.transport`);
             default: the best one for this machine.
-        threads, sort_limit: kernel launch tuning, passed through.
+        method, threads, sort_limit: kernel choice and launch tuning, passed
+            through to :func:`~numba_cp.local_topk_keys` and the merge.
     """
 
-    def __init__(self, comm, config: ExchangeConfig, *, transport=None, threads=None,
-                 sort_limit=None):
+    def __init__(self, comm, config: ExchangeConfig, *, transport=None, method="auto",
+                 threads=None, sort_limit=None):
         problems = config.problems()
         if comm.Get_size() != config.world:
             problems.append(f"world is {config.world} but the communicator has "
@@ -133,7 +134,7 @@ class CandidateExchange:
         self.comm = comm
         self.config = config
         self.rank = comm.Get_rank()
-        self.launch = dict(threads=threads, sort_limit=sort_limit)
+        self.launch = dict(method=method, threads=threads, sort_limit=sort_limit)
         c = config
         self.heads = (range(c.heads) if c.merge == "all"
                       else owned_heads(c.heads, c.world, self.rank))

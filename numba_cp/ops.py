@@ -12,10 +12,25 @@ from . import validate
 from .arrays import as_kernel_array, with_leading_axis
 from .backend import is_simulator
 from .constants import MAX_GLOBAL_BLOCKS, MAX_TOPK, PAGES
-from .kernels.topk import merge_sparse_table_kernel, merge_topk_kernel, shard_topk_kernel
+from .kernels.primitives import WARP_LANES
+from .kernels.topk import (merge_sparse_table_kernel, merge_sparse_table_warp_kernel,
+                           merge_topk_kernel, merge_topk_warp_kernel, shard_topk_kernel,
+                           shard_topk_warp_kernel)
 from .launcher import KernelLaunch, LaunchCache
 
-__all__ = ["local_topk_keys", "merge_topk_keys", "DEFAULT_THREADS", "DEFAULT_SORT_LIMIT"]
+__all__ = ["local_topk_keys", "merge_topk_keys", "METHODS", "DEFAULT_THREADS",
+           "DEFAULT_SORT_LIMIT"]
+
+# "warp": warps sort in registers (numba_cp.kernels.warp_select), for topk up to
+# WARP_LANES * MAX_LANE_SLOTS; "radix": block-wide radix select + shared-memory
+# sort (numba_cp.kernels.select), for any topk; "auto": warp where it fits.
+METHODS = ("auto", "warp", "radix")
+MAX_LANE_SLOTS = 16  # keys per lane per pass: 3 register arrays of this many int64
+# Defaults of the warp method: keys per lane per pass, and warps per row. On
+# the H200 (BENCHMARKS.md) ... ; the simulator keeps passes short and uses two
+# warps so that the tests run chunked rows and the cross-warp tree.
+WARP_SLOTS = 2 if is_simulator else 8
+WARP_MAX_WARPS = 2 if is_simulator else 8
 
 # The simulator runs every GPU thread as a Python thread: small blocks keep it quick.
 DEFAULT_THREADS = 8 if is_simulator else 128
@@ -55,6 +70,37 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _method(method, topk):
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
+    fits = _next_pow2(topk) <= WARP_LANES * MAX_LANE_SLOTS
+    if method == "warp" and not fits:
+        raise ValueError(f"method='warp' handles topk <= {WARP_LANES * MAX_LANE_SLOTS} on this "
+                         f"target, got topk={topk}; use method='radix' or 'auto'")
+    return "warp" if method == "auto" and fits else ("radix" if method == "auto" else method)
+
+
+def _warp_shape(topk: int, candidates: int, threads, sort_limit):
+    """``(run, slots, warps)``: the sorted run, keys per lane per pass, warps per row."""
+    run = _next_pow2(topk)
+    least = max(1, run // WARP_LANES)  # a run must fit in one warp
+    if sort_limit is None:
+        slots = max(least, min(WARP_SLOTS, _next_pow2(-(-candidates // WARP_LANES))))
+    else:
+        sort_limit = validate.integer("sort_limit", sort_limit, low=1,
+                                      high=WARP_LANES * MAX_LANE_SLOTS + 1)
+        slots = max(least, _next_pow2(-(-sort_limit // WARP_LANES)))
+    if threads is None:
+        warps = min(WARP_MAX_WARPS, _next_pow2(-(-candidates // (WARP_LANES * slots))))
+    else:
+        threads = validate.integer("threads", threads, low=1, high=1025)
+        warps = threads // WARP_LANES
+        if threads % WARP_LANES or warps & (warps - 1):
+            raise ValueError(f"threads must be a power-of-two number of whole warps "
+                             f"({WARP_LANES} lanes each) for method='warp', got {threads}")
+    return run, slots, warps
+
+
 def _launch_shape(topk: int, candidates: int, threads, sort_limit, merge=False):
     threads = DEFAULT_THREADS if threads is None else validate.integer(
         "threads", threads, low=1, high=1025)
@@ -67,7 +113,8 @@ def _launch_shape(topk: int, candidates: int, threads, sort_limit, merge=False):
 
 
 def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_blocks,
-                    init_blocks, local_blocks, out, stream=None, threads=None, sort_limit=None):
+                    init_blocks, local_blocks, out, stream=None, method="auto", threads=None,
+                    sort_limit=None):
     """Per-head top-k packed keys of this rank's shard (SPEC.md ``local_topk_keys``).
 
     Args:
@@ -86,23 +133,28 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
             the keys in descending order, padded with 0.
         stream: launch stream (default: CuPy's current stream, else the
             default stream).
-        threads, sort_limit: launch tuning (threads per block; the most keys a
-            row sorts, rows with more candidates being radix-selected down to
-            that many first). Results do not depend on them.
+        method: ``"warp"`` (warps sort in registers; ``topk`` up to 16 keys
+            per lane of a warp, 512 on NVIDIA), ``"radix"`` (block radix
+            select, any ``topk``) or ``"auto"`` (warp where it fits).
+        threads, sort_limit: launch tuning. ``"warp"``: threads per row, a
+            power-of-two number of whole warps, and the keys one warp sorts per
+            pass. ``"radix"``: threads per block, and the most keys a row sorts
+            (rows with more are radix-selected down to that many first).
+            Results depend on none of these.
 
     Returns:
         ``out``.
     """
     arrays = (scores, seq_lens, out)
-    scalars = (topk, rank, world, query_len, global_blocks, init_blocks, local_blocks, threads,
-               sort_limit)
+    scalars = (topk, rank, world, query_len, global_blocks, init_blocks, local_blocks, method,
+               threads, sort_limit)
     launch, pointers = _SHARD_LAUNCHES.launch_for(arrays, scalars, _plan_local_topk)
     launch(arrays, stream, pointers)
     return out
 
 
 def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_blocks,
-                     local_blocks, threads, sort_limit):
+                     local_blocks, method, threads, sort_limit):
     topk = validate.integer("topk", topk, low=1, high=MAX_TOPK + 1)
     world = validate.integer("world", world, low=1)
     rank = validate.integer("rank", rank, low=0, high=world)
@@ -126,11 +178,17 @@ def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_b
     validate.dim_at_least(scores_a, 2, -(-global_blocks // world),
                           "local columns: ceil(global_blocks / world)")
 
-    threads, capacity = _launch_shape(topk, -(-global_blocks // world), threads, sort_limit)
+    candidates = -(-global_blocks // world)
+    if _method(method, topk) == "warp":
+        run, slots, warps = _warp_shape(topk, candidates, threads, sort_limit)
+        kernel, threads = shard_topk_warp_kernel(run, slots, warps), warps * WARP_LANES
+    else:
+        threads, capacity = _launch_shape(topk, candidates, threads, sort_limit)
+        kernel = shard_topk_kernel(capacity)
     if not (heads and tokens):
         return _NoWork()
     return KernelLaunch(
-        shard_topk_kernel(capacity), (tokens, heads), threads,
+        kernel, (tokens, heads), threads,
         arrays=[("scores", False), ("seq_lens", False), ("out", False)],
         scalars=[topk, rank, world, query_len, global_blocks, init_blocks, local_blocks],
         order=[("a", 0), ("a", 1), ("a", 2)] + [("s", j) for j in range(7)])
@@ -183,7 +241,7 @@ def _table_arrays(heads, tokens, topk, requests, attention_block_table,
 def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_blocks,
                     attention_block_table=None, sparse_block_table_out=None,
                     sparse_context_lens_out=None, block_page_stride=None, stream=None,
-                    threads=None, sort_limit=None):
+                    method="auto", threads=None, sort_limit=None):
     """Merge gathered shard keys into global per-head top-k block ids (SPEC.md).
 
     Args:
@@ -202,21 +260,22 @@ def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_b
             ``[tokens, >= topk * 8]`` when ``heads == 1``.
         sparse_context_lens_out: int32 ``[heads, tokens]`` (or ``[tokens]``).
         block_page_stride: page index stride per block (default 8).
-        stream, threads, sort_limit: as for :func:`local_topk_keys`.
+        stream, method, threads, sort_limit: as for :func:`local_topk_keys`.
 
     Returns:
         ``topk_idx``.
     """
     arrays = (keys, topk_idx, seq_lens, attention_block_table, sparse_block_table_out,
               sparse_context_lens_out)
-    scalars = (query_len, init_blocks, local_blocks, block_page_stride, threads, sort_limit)
+    scalars = (query_len, init_blocks, local_blocks, block_page_stride, method, threads,
+               sort_limit)
     launch, pointers = _MERGE_LAUNCHES.launch_for(arrays, scalars, _plan_merge)
     launch(arrays, stream, pointers)
     return topk_idx
 
 
-def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride, threads,
-                sort_limit):
+def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride, method,
+                threads, sort_limit):
     keys, topk_idx, seq_lens, attention_block_table, sparse_block_table_out, \
         sparse_context_lens_out = arrays
     query_len = validate.integer("query_len", query_len, low=1)
@@ -240,18 +299,26 @@ def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride,
     tables = _table_arrays(heads, tokens, topk, requests, attention_block_table,
                            sparse_block_table_out, sparse_context_lens_out, block_page_stride)
 
-    threads, capacity = _launch_shape(topk, world * per_shard, threads, sort_limit, merge=True)
+    if _method(method, topk) == "warp":
+        shape = _warp_shape(topk, world * per_shard, threads, sort_limit)
+        threads = shape[2] * WARP_LANES
+        ids_kernel, table_kernel = merge_topk_warp_kernel, merge_sparse_table_warp_kernel
+    else:
+        threads, capacity = _launch_shape(topk, world * per_shard, threads, sort_limit,
+                                          merge=True)
+        shape = (capacity,)
+        ids_kernel, table_kernel = merge_topk_kernel, merge_sparse_table_kernel
     if not (heads and tokens):
         return _NoWork()
     order = [("a", 0), ("a", 2), ("a", 1), ("s", 0), ("s", 1), ("s", 2)]
     names = [("keys", False), ("topk_idx", False), ("seq_lens", False)]
     scalars = [query_len, init_blocks, local_blocks]
     if tables is None:
-        return KernelLaunch(merge_topk_kernel(capacity), (tokens, heads), threads,
+        return KernelLaunch(ids_kernel(*shape), (tokens, heads), threads,
                             arrays=names, scalars=scalars, order=order)
     page_stride, two_d = tables
     names += [("attention_block_table", False), ("sparse_block_table_out", two_d),
               ("sparse_context_lens_out", two_d)]
-    return KernelLaunch(merge_sparse_table_kernel(capacity), (tokens, heads), threads,
+    return KernelLaunch(table_kernel(*shape), (tokens, heads), threads,
                         arrays=names, scalars=scalars + [page_stride],
                         order=order + [("a", 3), ("s", 3), ("a", 4), ("a", 5)])

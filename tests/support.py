@@ -17,6 +17,25 @@ to_host = host_copy
 # Threads per block small enough for the simulator, but not one (races need >1).
 THREADS = 4 if backend.is_simulator else 128
 
+
+def launches():
+    """Launch tuning for either kernel family: results must not depend on it.
+
+    ``"warp"``: one, two or four warps per row and short, default or long
+    passes; ``"radix"``: odd and small blocks, and tiny sort tiles that force
+    the radix passes.
+    """
+    from numba_cp.kernels.primitives import WARP_LANES
+
+    warp = st.fixed_dictionaries(dict(
+        method=st.just("warp"),
+        threads=st.sampled_from([None, WARP_LANES, 2 * WARP_LANES, 4 * WARP_LANES]),
+        sort_limit=st.sampled_from([None, 1, 4 * WARP_LANES])))
+    radix = st.fixed_dictionaries(dict(
+        method=st.just("radix"), threads=st.sampled_from([1, 3, THREADS]),
+        sort_limit=st.sampled_from([None, 1, 5])))
+    return st.one_of(warp, radix, st.just(dict(method="auto")))
+
 SPECIAL_SCORES = np.array(
     [np.nan, -np.nan, 0.0, -0.0, np.inf, -np.inf, 1e30, 1e29, -1e30, 1e-45, -1e-45, 1.0, -1.0,
      3.4e38], dtype=np.float32)

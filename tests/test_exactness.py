@@ -20,7 +20,11 @@ def test_fake_cp_oracle_equals_unsharded(case):
     np.testing.assert_array_equal(merged, unsharded)
 
 
-def kernel_exchange(case, *, per_shard, table=None, threads=THREADS):
+RADIX = dict(method="radix", threads=THREADS)
+WARP = dict(method="warp")
+
+
+def kernel_exchange(case, *, per_shard, table=None, launch=WARP):
     """pack on every rank -> stack (the all-gather) -> merge, all through the kernels."""
     local = -(-case.global_blocks // case.world)
     gathered = to_device(np.zeros((case.world, case.heads, case.tokens, per_shard), np.int64))
@@ -29,7 +33,7 @@ def kernel_exchange(case, *, per_shard, table=None, threads=THREADS):
         shard = ref.shard_scores(case.full_scores, rank=r, world=case.world,
                                  global_blocks=case.global_blocks, local=local)
         numba_cp.local_topk_keys(to_device(shard), seq_lens, topk=per_shard, rank=r,
-                                 out=gathered[r], threads=threads, **case.shard_args)
+                                 out=gathered[r], **launch, **case.shard_args)
     topk_idx = to_device(np.zeros((case.heads, case.tokens, case.topk), np.int32))
     extra = {}
     if table is not None:
@@ -38,7 +42,7 @@ def kernel_exchange(case, *, per_shard, table=None, threads=THREADS):
                          np.zeros((case.heads, case.tokens, case.topk * 8), np.int32)),
                      sparse_context_lens_out=to_device(
                          np.zeros((case.heads, case.tokens), np.int32)))
-    numba_cp.merge_topk_keys(gathered, topk_idx, seq_lens, threads=threads, **case.window,
+    numba_cp.merge_topk_keys(gathered, topk_idx, seq_lens, **launch, **case.window,
                              **extra)
     if table is None:
         return to_host(topk_idx)
@@ -46,8 +50,9 @@ def kernel_exchange(case, *, per_shard, table=None, threads=THREADS):
             to_host(extra["sparse_context_lens_out"]))
 
 
+@pytest.mark.parametrize("launch", [WARP, RADIX], ids=["warp", "radix"])
 @pytest.mark.parametrize("world", range(1, 9))
-def test_kernel_exchange_equals_unsharded(world):
+def test_kernel_exchange_equals_unsharded(world, launch):
     rng = np.random.default_rng(100 + world)
     requests, query_len, global_blocks, topk = 2, 2, 45, 9
     case = Case(score_matrix(rng, (2, requests * query_len, global_blocks), "special"),
@@ -57,18 +62,20 @@ def test_kernel_exchange_equals_unsharded(world):
     case.seq_lens[0] = global_blocks * 128  # at least one full-length request
     unsharded = ref.global_topk(case.full_scores, case.seq_lens, topk=topk,
                                 global_blocks=global_blocks, **case.window)
-    np.testing.assert_array_equal(kernel_exchange(case, per_shard=topk), unsharded)
-    np.testing.assert_array_equal(kernel_exchange(case, per_shard=topk + 3), unsharded)
+    np.testing.assert_array_equal(kernel_exchange(case, per_shard=topk, launch=launch), unsharded)
+    np.testing.assert_array_equal(kernel_exchange(case, per_shard=topk + 3, launch=launch),
+                                  unsharded)
 
 
+@pytest.mark.parametrize("launch", [WARP, RADIX], ids=["warp", "radix"])
 @pytest.mark.parametrize("world", [1, 3, 8])
-def test_kernel_exchange_with_sparse_table(world):
+def test_kernel_exchange_with_sparse_table(world, launch):
     rng = np.random.default_rng(7 * world)
     case = Case(score_matrix(rng, (1, 3, 40), "ties"), np.array([40 * 128, 1000, 2], np.int32),
                 world=world, topk=8, query_len=1, global_blocks=40, init_blocks=1,
                 local_blocks=1)
     table = rng.integers(0, 500, size=(3, 40), dtype=np.int32)
-    got = kernel_exchange(case, per_shard=8, table=table)
+    got = kernel_exchange(case, per_shard=8, table=table, launch=launch)
     unsharded = ref.global_topk(case.full_scores, case.seq_lens, topk=8, global_blocks=40,
                                 **case.window)
     exp_sbt, exp_ctx = ref.sparse_block_table(unsharded, case.seq_lens, table, query_len=1)

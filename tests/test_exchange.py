@@ -113,7 +113,7 @@ def test_plan_on_one_rank_with_fewer_tokens_than_planned():
     full = rng.standard_normal((3, 2, 20)).astype(np.float32)  # 2 tokens of the 4 planned
     seq = np.array([20 * 128], np.int32)
     table = rng.integers(0, 99, size=(1, 20), dtype=np.int32)
-    with CandidateExchange(comm, config, threads=4) as plan:
+    with CandidateExchange(comm, config, method="radix", threads=4) as plan:
         for _ in range(2):  # the second call reuses every buffer
             idx, sbt, ctx = plan(to_device(full), to_device(seq),
                                  attention_block_table=to_device(table))
@@ -166,7 +166,7 @@ def test_captured_exchange_replays_new_inputs_in_place():
     table = rng.integers(0, 99, size=(2, 20), dtype=np.int32)
     scores = to_device(rng.standard_normal((3, 4, 20)).astype(np.float32))
     seq_d, table_d = to_device(seq), to_device(table)
-    with CandidateExchange(MPI.COMM_SELF, config, threads=4) as plan:
+    with CandidateExchange(MPI.COMM_SELF, config, method="radix", threads=4) as plan:
         assert plan.gather_is_capturable and plan.describe().startswith("none")
         captured = plan.capture(scores, seq_d, attention_block_table=table_d)
         for _ in range(2):
@@ -194,7 +194,7 @@ def test_graph_replay_through_mpi_gather_is_exact(mpiexec, tmp_path, n):
 def test_closing_the_plan_stops_its_captured_exchanges():
     scores = to_device(np.zeros((3, 4, 20), np.float32))
     seq = to_device(np.full(2, 999, np.int32))
-    plan = CandidateExchange(MPI.COMM_SELF, small_config(), threads=4)
+    plan = CandidateExchange(MPI.COMM_SELF, small_config(), method="radix", threads=4)
     captured = plan.capture(scores, seq)
     captured.replay()
     plan.check()

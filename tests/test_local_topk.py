@@ -7,13 +7,12 @@ from hypothesis import strategies as st
 
 import numba_cp
 from numba_cp import reference as ref
-from support import THREADS, cases, to_device, to_host
+from support import THREADS, cases, launches, to_device, to_host
 
 SENTINEL = np.int64(-7)
 
 
-def run_shard(case, rank, *, fill, extra_columns=0, out_extra=0, sort_limit=None,
-              threads=THREADS, strided=False):
+def run_shard(case, rank, *, fill, extra_columns=0, out_extra=0, strided=False, **launch):
     """Kernel keys of ``rank``'s shard, with garbage columns and padded/strided views."""
     local = -(-case.global_blocks // case.world) + extra_columns
     shard = ref.shard_scores(case.full_scores, rank=rank, world=case.world,
@@ -30,7 +29,7 @@ def run_shard(case, rank, *, fill, extra_columns=0, out_extra=0, sort_limit=None
         out = to_device(np.full((heads, tokens, case.topk + out_extra), SENTINEL))
     result = numba_cp.local_topk_keys(
         scores, to_device(case.seq_lens), topk=case.topk, rank=rank, out=out,
-        sort_limit=sort_limit, threads=threads, **case.shard_args)
+        **launch, **case.shard_args)
     assert result is out
     expected = ref.local_topk_keys(shard, case.seq_lens, topk=case.topk, rank=rank,
                                    **case.shard_args)
@@ -45,8 +44,7 @@ def test_matches_oracle(case, data):
         case, rank,
         fill=data.draw(st.sampled_from([np.nan, np.inf, 3e38]), label="fill"),
         extra_columns=data.draw(st.integers(0, 2), label="extra_columns"),
-        sort_limit=data.draw(st.sampled_from([None, 1, 5]), label="sort_limit"),
-        threads=data.draw(st.sampled_from([1, 3, THREADS]), label="threads"))
+        **data.draw(launches(), label="launch"))
     np.testing.assert_array_equal(got, expected)
 
 
@@ -60,8 +58,10 @@ def test_strided_views_and_untouched_tail(case, out_extra):
     assert (out_base[:, :, 1::2] == SENTINEL).all(), "out was written outside its view"
 
 
-@pytest.mark.parametrize("sort_limit", [None, 1])
-def test_large_shard_radix_and_sort_paths(sort_limit):
+@pytest.mark.parametrize("launch", [dict(method="radix"), dict(method="radix", sort_limit=1),
+                                    dict(method="warp"), dict(method="warp", threads=None,
+                                                              sort_limit=1)])
+def test_large_shard_radix_and_sort_paths(launch):
     """A shard wider than the sort tile, with many equal scores and specials."""
     rng = np.random.default_rng(5)
     heads, tokens, global_blocks, world = 1, 2, 600, 2
@@ -72,7 +72,7 @@ def test_large_shard_radix_and_sort_paths(sort_limit):
     case = Case(full, np.array([global_blocks * 128, 333 * 128 + 5], np.int32), world=world,
                 topk=9, query_len=1, global_blocks=global_blocks, init_blocks=2,
                 local_blocks=3)
-    got, expected, _ = run_shard(case, 1, fill=np.nan, sort_limit=sort_limit)
+    got, expected, _ = run_shard(case, 1, fill=np.nan, **launch)
     np.testing.assert_array_equal(got, expected)
 
 
@@ -91,7 +91,10 @@ def test_deterministic_across_launch_shapes():
     case = Case(rng.integers(0, 2, size=(2, 3, 40)).astype(np.float32),
                 np.array([40 * 128, 17 * 128, 5], np.int32), world=1, topk=10, query_len=1,
                 global_blocks=40, init_blocks=1, local_blocks=1)
-    results = [run_shard(case, 0, fill=np.nan, threads=t, sort_limit=s)[0]
-               for t, s in [(1, None), (4, None), (3, 1), (THREADS, 8)]]
+    from numba_cp.kernels.primitives import WARP_LANES
+    shapes = [("radix", 1, None), ("radix", 4, None), ("radix", 3, 1), ("radix", THREADS, 8),
+              ("warp", WARP_LANES, 1), ("warp", 4 * WARP_LANES, None), ("auto", None, None)]
+    results = [run_shard(case, 0, fill=np.nan, method=m, threads=t, sort_limit=s)[0]
+               for m, t, s in shapes]
     for other in results[1:]:
         np.testing.assert_array_equal(results[0], other)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import numba_cp
 from numba_cp import reference as ref
 from numba_cp.constants import PAGES
-from support import THREADS, Case, cases, to_device, to_host
+from support import Case, cases, launches, to_device, to_host
 
 SENTINEL = -7
 
@@ -44,8 +44,8 @@ def block_table(rng, case, width=None):
     return rng.integers(0, 1000, size=(requests, width), dtype=np.int32)
 
 
-def run_merge(keys, case, *, table=None, stride=None, layout="per-head", sort_limit=None,
-              threads=THREADS, idx_strided=False):
+def run_merge(keys, case, *, table=None, stride=None, layout="per-head", idx_strided=False,
+              **launch):
     heads, tokens, topk = case.heads, case.tokens, case.topk
     if idx_strided:
         idx = to_device(np.full((tokens, heads, topk), SENTINEL, np.int32)).transpose(1, 0, 2)
@@ -63,7 +63,7 @@ def run_merge(keys, case, *, table=None, stride=None, layout="per-head", sort_li
         extra = dict(attention_block_table=to_device(table), sparse_block_table_out=sbt,
                      sparse_context_lens_out=ctx, block_page_stride=stride)
     result = numba_cp.merge_topk_keys(to_device(keys), idx, to_device(case.seq_lens),
-                                      sort_limit=sort_limit, threads=threads, **case.window,
+                                      **launch, **case.window,
                                       **extra)
     assert result is idx
     expected = ref.merge_topk_keys(keys, case.seq_lens, topk=topk,
@@ -85,18 +85,17 @@ def run_merge(keys, case, *, table=None, stride=None, layout="per-head", sort_li
 def test_matches_oracle(case, data):
     per_shard = data.draw(st.integers(1, case.topk + 2), label="per_shard")
     run_merge(gathered_keys(case, per_shard), case,
-              sort_limit=data.draw(st.sampled_from([None, 1, 6]), label="sort_limit"),
-              threads=data.draw(st.sampled_from([1, 3, THREADS]), label="threads"),
-              idx_strided=data.draw(st.booleans(), label="idx_strided"))
+              idx_strided=data.draw(st.booleans(), label="idx_strided"),
+              **data.draw(launches(), label="launch"))
 
 
 @settings(max_examples=30)
 @given(case=cases(max_world=4), seed=st.integers(0, 2**32 - 1),
-       per_shard=st.integers(1, 8), sort_limit=st.sampled_from([None, 1]))
-def test_garbage_keys_match_oracle(case, seed, per_shard, sort_limit):
+       per_shard=st.integers(1, 8), launch=launches())
+def test_garbage_keys_match_oracle(case, seed, per_shard, launch):
     keys = garbage_keys(np.random.default_rng(seed),
                         (case.world, case.heads, case.tokens, per_shard))
-    run_merge(keys, case, sort_limit=sort_limit)
+    run_merge(keys, case, **launch)
 
 
 @settings(max_examples=40)
@@ -109,7 +108,7 @@ def test_sparse_block_table_matches_oracle(case, data):
     table = block_table(rng, case, width=max(case.global_blocks // 2, 1) if narrow else None)
     run_merge(gathered_keys(case, case.topk), case, table=table, layout=layout,
               stride=data.draw(st.sampled_from([None, 16, 0]), label="stride"),
-              sort_limit=data.draw(st.sampled_from([None, 1]), label="sort_limit"))
+              **data.draw(launches(), label="launch"))
 
 
 def test_topk_larger_than_all_candidates():
@@ -122,10 +121,11 @@ def test_topk_larger_than_all_candidates():
     run_merge(keys, case, table=block_table(rng, case))
 
 
-@pytest.mark.parametrize("sort_limit", [None, 1])
-def test_wide_gather_radix_path(sort_limit):
+@pytest.mark.parametrize("launch", [dict(method="radix"), dict(method="radix", sort_limit=1),
+                                    dict(method="warp"), dict(method="warp", sort_limit=1)])
+def test_wide_gather_radix_path(launch):
     rng = np.random.default_rng(8)
     case = Case(rng.standard_normal((1, 2, 400)).astype(np.float32),
                 np.array([400 * 128, 250 * 128 + 3], np.int32), world=8, topk=20, query_len=1,
                 global_blocks=400, init_blocks=2, local_blocks=3)
-    run_merge(gathered_keys(case, 24), case, table=block_table(rng, case), sort_limit=sort_limit)
+    run_merge(gathered_keys(case, 24), case, table=block_table(rng, case), **launch)

@@ -13,11 +13,12 @@ HIP. There the atomics below are small intrinsics that emit LLVM ``atomicrmw``
 on the element's address (relaxed ordering, as CUDA's ``atomicAdd`` is).
 """
 
+import threading
 import time
 
 import numpy as np
 from llvmlite import ir
-from numba import int64, types
+from numba import int32, int64, types
 
 from ..backend import NAME, cuda
 
@@ -29,8 +30,23 @@ elif NAME == "hip":
     from numba.core import cgutils
     from numba.hip.extending import intrinsic
 
-__all__ = ["float_bits", "shared_atomic_add", "atomic_add", "atomic_exch", "flag_load",
-           "flag_store", "fence_system", "spin_pause", "ctrl_add", "ctrl_cas"]
+__all__ = ["inline_device", "float_bits", "shared_atomic_add", "atomic_add", "atomic_exch", "WARP_LANES",
+           "lane_exchange", "lane_value", "flag_load", "flag_store", "fence_system",
+           "spin_pause", "ctrl_add", "ctrl_cas"]
+
+def inline_device(fn):
+    """A device function the GPU compiler must inline (LLVM ``alwaysinline``).
+
+    For functions that take register arrays (``cuda.local.array``): a call
+    that stays a call would put the array in local memory. Unlike Numba-IR
+    inlining (``inline=True``), this does not re-type the callee in every
+    caller, which kept a warp kernel's first compile at ~12 s. numba-hip has
+    no such switch; its LLVM inliner takes such small functions anyway.
+    """
+    if NAME == "cuda":
+        return cuda.jit(device=True, forceinline=True)(fn)
+    return cuda.jit(device=True)(fn)
+
 
 if NAME == "sim":
 
@@ -117,6 +133,104 @@ if NAME != "hip":
     def atomic_exch(array, index, value):
         """``array[index] = value`` atomically; returns the old value."""
         return cuda.atomic.exch(array, index, value)
+
+
+# ---------------------------------------------------------------------------
+# Lanes of a warp (a wavefront on AMD) trading registers: the warp-level top-k
+# (numba_cp.kernels.warp_select). Callers keep control flow warp-uniform, with
+# ``lane = threadIdx.x % WARP_LANES`` (1-D blocks of whole warps), and only
+# ever read the partner ``lane ^ lane_mask``.
+#
+# The simulator has no shuffles; its warps are WARP_LANES consecutive Python
+# threads meeting at a per-warp barrier, and 8 lanes keep it quick while every
+# cross-lane stage of the algorithm still runs.
+
+if NAME == "sim":
+    WARP_LANES = 8
+    SIM_WARP_TIMEOUT_S = 120.0  # a lane that never arrives is a bug: fail, don't hang
+    _MAILBOX_LOCK = threading.Lock()
+
+    class _WarpMailbox:
+        def __init__(self):
+            self.values = [None] * WARP_LANES
+            self.barrier = threading.Barrier(WARP_LANES, timeout=SIM_WARP_TIMEOUT_S)
+
+    def _mailbox():
+        thread = threading.current_thread()
+        warp = thread.thread_id // WARP_LANES
+        manager = thread._manager  # the simulator's BlockManager runs one block at a time
+        with _MAILBOX_LOCK:
+            boxes = manager.__dict__.setdefault("_numba_cp_warps", {})
+            box = boxes.get(warp)
+            if box is None:
+                box = boxes[warp] = _WarpMailbox()
+        return box
+
+    def _trade(value, lane, lane_mask):
+        box = _mailbox()
+        box.values[lane] = value
+        box.barrier.wait()
+        other = box.values[lane ^ lane_mask]
+        box.barrier.wait()  # nobody posts the next value before every lane has read
+        return other
+
+    def lane_exchange(src, dst, count, lane, lane_mask):
+        """``dst[s]`` = lane ``lane ^ lane_mask``'s ``src[s]`` for ``s < count``."""
+        other = _trade(np.array(src[:count]), lane, lane_mask)
+        dst[:count] = other
+
+    def lane_value(value, lane, lane_mask):
+        """Lane ``lane ^ lane_mask``'s ``value``."""
+        return _trade(value, lane, lane_mask)
+
+elif NAME == "cuda":
+    WARP_LANES = 32
+    FULL_MASK = 0xFFFFFFFF
+
+    @cuda.jit(device=True, inline=True)
+    def lane_value(value, lane, lane_mask):
+        return cuda.shfl_xor_sync(FULL_MASK, value, lane_mask)
+
+    @cuda.jit(device=True, inline=True)
+    def lane_exchange(src, dst, count, lane, lane_mask):
+        for s in range(count):
+            dst[s] = cuda.shfl_xor_sync(FULL_MASK, src[s], lane_mask)
+
+elif NAME == "hip":
+    # wave64 on gfx90a/gfx942 (CDNA). HIP's __shfl_xor is ds_bpermute underneath;
+    # calling the LLVM intrinsic directly needs no HIP header stub and no width
+    # clamp (lane ^ lane_mask < 64 always).
+    WARP_LANES = 64
+
+    @intrinsic
+    def _ds_bpermute(typingctx, byte_address, value):
+        if not (isinstance(byte_address, types.Integer) and value == types.int32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            word = ir.IntType(32)
+            permute = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(word, [word, word]), "llvm.amdgcn.ds.bpermute")
+            address = context.cast(builder, args[0], sig.args[0], types.int32)
+            return builder.call(permute, [address, args[1]])
+
+        return types.int32(byte_address, value), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def _read_lane(value, source_lane):
+        address = int32(source_lane << 2)
+        low = _ds_bpermute(address, int32(value & 0xFFFFFFFF))
+        high = _ds_bpermute(address, int32(value >> 32))
+        return (int64(high) << 32) | (int64(low) & 0xFFFFFFFF)
+
+    @cuda.jit(device=True, inline=True)
+    def lane_value(value, lane, lane_mask):
+        return _read_lane(int64(value), lane ^ lane_mask)
+
+    @cuda.jit(device=True, inline=True)
+    def lane_exchange(src, dst, count, lane, lane_mask):
+        for s in range(count):
+            dst[s] = _read_lane(src[s], lane ^ lane_mask)
 
 
 # ---------------------------------------------------------------------------

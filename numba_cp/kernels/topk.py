@@ -1,8 +1,14 @@
 """The exchange's kernels: shard top-k keys, and the per-head merge (+ sparse table).
 
 Launch shape for all of them: ``grid = (tokens, heads)``, one block per
-``(head, row)``, any number of threads per block. Kernels are built per shared
-capacity (a compile-time power of two, see :mod:`.select`) and cached.
+``(head, row)``. Two families, same results:
+
+- ``*_warp`` (:mod:`.warp_select`): ``warps`` whole warps per block, built per
+  ``(run, slots, warps)``; the fast one, for ``topk <= WARP_LANES * 16``.
+- radix (:mod:`.select`): any number of threads, built per shared capacity (a
+  power of two); for any ``topk``.
+
+Kernels are cached per compile-time shape.
 """
 
 from functools import lru_cache
@@ -12,7 +18,9 @@ from numba import int32, int64
 from ..backend import cuda
 from ..constants import PAGES, SPARSE_BLOCK
 from .keys import causal_len_of, repin_key, score_key, valid_blocks_of
+from .primitives import WARP_LANES, inline_device, lane_value
 from .select import SCRATCH, STATE_SLOTS, make_block_topk
+from .warp_select import make_warp_topk
 
 # ctx tuples handed to the candidate functions
 # shard:    (head, row, rank, world, init_blocks, local_start)
@@ -181,3 +189,191 @@ def merge_sparse_table_kernel(capacity):
                            block_table, page_stride, sparse_table, context_lens, slots, state)
 
     return merge_topk_ids_and_table
+
+
+# ---------------------------------------------------------------------------
+# Warp kernels: the row's top keys end in warp 0's registers (``acc``), element
+# ``e = lane * slots + s``; warp 0 writes the outputs.
+
+
+@cuda.jit(device=True, inline=True)
+def row_window(seq_lens, row, query_len, local_blocks):
+    request = row // query_len
+    causal_len = causal_len_of(seq_lens[request], row - request * query_len, query_len)
+    valid_blocks = valid_blocks_of(causal_len)
+    return request, causal_len, valid_blocks, max(valid_blocks - local_blocks, 0)
+
+
+@cuda.jit(device=True, inline=True)
+def per_shard_shift(per_shard):
+    """log2(per_shard) when it is a power of two, else -1 (see gathered_candidate_key)."""
+    shift = int64(-1)
+    if per_shard & (per_shard - 1) == 0:
+        shift = 0
+        while (int64(1) << shift) < per_shard:
+            shift += 1
+    return shift
+
+
+@lru_cache(maxsize=None)
+def shard_topk_warp_kernel(run, slots, warps):
+    warp_topk = make_warp_topk(shard_candidate_key, run, slots, warps)
+    shared_size = warps * run
+
+    @cuda.jit
+    def shard_topk_keys_warp(scores, seq_lens, out, topk, rank, world, query_len,
+                             global_blocks, init_blocks, local_blocks):
+        v = cuda.local.array(slots, int64)
+        t = cuda.local.array(slots, int64)
+        acc = cuda.local.array(slots, int64)
+        shared = cuda.shared.array(shared_size, int64)
+        row = int64(cuda.blockIdx.x)
+        head = int64(cuda.blockIdx.y)
+        _, _, valid_blocks, local_start = row_window(seq_lens, row, query_len, local_blocks)
+        count = shard_candidate_count(valid_blocks, global_blocks, rank, world, scores.shape[2])
+        ctx = (head, row, rank, world, init_blocks, local_start)
+        warp_topk(scores, ctx, count, v, t, acc, shared)
+        lane = cuda.threadIdx.x
+        if lane < WARP_LANES:
+            for s in range(slots):
+                e = lane * slots + s
+                if e < topk:
+                    out[head, row, e] = acc[s]
+
+    return shard_topk_keys_warp
+
+
+@lru_cache(maxsize=None)
+def _merge_warp_select(run, slots, warps):
+    warp_topk = make_warp_topk(gathered_candidate_key, run, slots, warps)
+
+    @inline_device
+    def merge_warp_select(keys, seq_lens, topk_idx, head, row, query_len, init_blocks,
+                          local_blocks, v, t, acc, shared):
+        """Merge one (head, row); warp 0 writes topk_idx and keeps the ids in ``acc``."""
+        request, causal_len, valid_blocks, local_start = row_window(seq_lens, row, query_len,
+                                                                    local_blocks)
+        per_shard = int64(keys.shape[3])
+        ctx = (head, row, per_shard, per_shard_shift(per_shard), init_blocks, local_start)
+        warp_topk(keys, ctx, keys.shape[0] * per_shard, v, t, acc, shared)
+        topk = topk_idx.shape[2]
+        kept = min(topk, valid_blocks)
+        lane = cuda.threadIdx.x
+        if lane < WARP_LANES:
+            for s in range(slots):
+                e = lane * slots + s
+                key = acc[s]
+                block = (key & 0xFFFF) - 1 if (e < kept and key != 0) else int64(-1)
+                acc[s] = block
+                if e < topk:
+                    topk_idx[head, row, e] = block
+        return request, causal_len
+
+    return merge_warp_select
+
+
+@lru_cache(maxsize=None)
+def merge_topk_warp_kernel(run, slots, warps):
+    merge_select = _merge_warp_select(run, slots, warps)
+    shared_size = warps * run
+
+    @cuda.jit
+    def merge_topk_ids_warp(keys, seq_lens, topk_idx, query_len, init_blocks, local_blocks):
+        v = cuda.local.array(slots, int64)
+        t = cuda.local.array(slots, int64)
+        acc = cuda.local.array(slots, int64)
+        shared = cuda.shared.array(shared_size, int64)
+        merge_select(keys, seq_lens, topk_idx, int64(cuda.blockIdx.y), int64(cuda.blockIdx.x),
+                     query_len, init_blocks, local_blocks, v, t, acc, shared)
+
+    return merge_topk_ids_warp
+
+
+@lru_cache(maxsize=None)
+def _warp_sparse_table(slots):
+    @inline_device
+    def write_sparse_table_warp(blocks, topk, causal_len, request, head, row, block_table,
+                                page_stride, sparse_table, context_lens, lane):
+        """SPEC.md's paged sparse block table from warp 0's merged ``blocks``.
+
+        A used full block's output slot is the number of full blocks before it:
+        an exclusive scan over the lanes (butterfly, so it needs only xor
+        shuffles); the tail block takes the slot after the last full one.
+        """
+        ctx_len = max(causal_len, 0)
+        self_blk = (causal_len - 1) // SPARSE_BLOCK
+        columns = block_table.shape[1]
+        full = int64(0)
+        tail = int64(0)
+        for s in range(slots):
+            e = lane * slots + s
+            b = blocks[s]
+            if e < topk and ctx_len > 0 and 0 <= b <= self_blk and b < columns:
+                if b < self_blk:
+                    full += 1
+                else:
+                    tail = 1
+        before = int64(0)  # full blocks in lower lanes
+        total = full
+        tails = tail
+        mask = 1
+        while mask < WARP_LANES:
+            other_total = lane_value(total, lane, mask)
+            other_tails = lane_value(tails, lane, mask)
+            if lane & mask:
+                before += other_total
+            total += other_total
+            tails |= other_tails
+            mask <<= 1
+        n_full = total
+        n_used = n_full + tails
+        if lane == 0:
+            if tails:
+                context_lens[head, row] = n_full * SPARSE_BLOCK + (ctx_len - self_blk * SPARSE_BLOCK)
+            else:
+                context_lens[head, row] = min(n_used * SPARSE_BLOCK, ctx_len)
+        for s in range(slots):
+            e = lane * slots + s
+            b = blocks[s]
+            slot = int64(-1)
+            if e < topk and ctx_len > 0 and 0 <= b <= self_blk and b < columns:
+                if b < self_blk:
+                    slot = before
+                    before += 1
+                else:
+                    slot = n_full
+            if slot >= 0:
+                first = block_table[request, b] * page_stride
+                for p in range(PAGES):
+                    sparse_table[head, row, slot * PAGES + p] = first + p
+            if n_used <= e < topk:
+                for p in range(PAGES):
+                    sparse_table[head, row, e * PAGES + p] = 0
+
+    return write_sparse_table_warp
+
+
+@lru_cache(maxsize=None)
+def merge_sparse_table_warp_kernel(run, slots, warps):
+    merge_select = _merge_warp_select(run, slots, warps)
+    write_table = _warp_sparse_table(slots)
+    shared_size = warps * run
+
+    @cuda.jit
+    def merge_topk_ids_and_table_warp(keys, seq_lens, topk_idx, query_len, init_blocks,
+                                      local_blocks, block_table, page_stride, sparse_table,
+                                      context_lens):
+        v = cuda.local.array(slots, int64)
+        t = cuda.local.array(slots, int64)
+        acc = cuda.local.array(slots, int64)
+        shared = cuda.shared.array(shared_size, int64)
+        row = int64(cuda.blockIdx.x)
+        head = int64(cuda.blockIdx.y)
+        request, causal_len = merge_select(keys, seq_lens, topk_idx, head, row, query_len,
+                                           init_blocks, local_blocks, v, t, acc, shared)
+        lane = cuda.threadIdx.x
+        if lane < WARP_LANES:
+            write_table(acc, topk_idx.shape[2], causal_len, request, head, row, block_table,
+                        page_stride, sparse_table, context_lens, lane)
+
+    return merge_topk_ids_and_table_warp
