@@ -229,8 +229,10 @@ def run_case(name, args, torch):
     if args.sweep_launch:
         # device time per launch shape; results never depend on it
         sweep = []
-        shapes = [("warp", t, n) for t in (32, 64, 128, 256) for n in (32, 64, 128, 256, 512)]
-        shapes += [("radix", t, n) for t in (64, 128, 256) for n in (64, 256, 1024)]
+        # one knob at a time around the defaults (each new shape is a compile)
+        shapes = [("warp", t, None) for t in (32, 64, 128, 256)]
+        shapes += [("warp", None, n) for n in (64, 128, 256, 512)]
+        shapes += [("radix", None, None)]
         with stream:
             for method, threads, sort_limit in shapes:
                 launch.update(method=method, threads=threads, sort_limit=sort_limit)

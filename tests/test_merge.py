@@ -129,3 +129,32 @@ def test_wide_gather_radix_path(launch):
                 np.array([400 * 128, 250 * 128 + 3], np.int32), world=8, topk=20, query_len=1,
                 global_blocks=400, init_blocks=2, local_blocks=3)
     run_merge(gathered_keys(case, 24), case, table=block_table(rng, case), **launch)
+
+
+@pytest.mark.parametrize("swap", [None, (0, 1), (1, 2), (15, 16), (30, 31)])
+def test_sorted_gather_fast_path_and_its_check(swap):
+    """Gathered runs already in order skip the sort; one pair out of order must not.
+
+    ``per_shard == topk == 16`` makes each rank's keys one run. The swaps break
+    the order inside a lane, across a lane boundary, across two runs (harmless)
+    and at a run's end.
+    """
+    rng = np.random.default_rng(21)
+    case = Case(rng.standard_normal((2, 3, 200)).astype(np.float32),
+                np.array([200 * 128, 120 * 128 + 7, 3 * 128], np.int32), world=4, topk=16,
+                query_len=1, global_blocks=200, init_blocks=1, local_blocks=2)
+    keys = gathered_keys(case, 16)
+    assert (np.diff(keys, axis=-1) <= 0).all(), "the pack's keys are descending"
+    if swap is not None:
+        flat = keys.reshape(case.world, case.heads, case.tokens, -1).copy()
+        rank, column = divmod(swap[0], 16)
+        other = swap[1] % 16 if swap[1] // 16 == rank else None
+        if other is None:  # across ranks: swap the last of one with the first of the next
+            flat[rank, :, :, column], flat[rank + 1, :, :, 0] = \
+                flat[rank + 1, :, :, 0].copy(), flat[rank, :, :, column].copy()
+        else:
+            flat[rank, :, :, [column, other]] = flat[rank, :, :, [other, column]]
+        keys = flat
+    for launch in (dict(method="warp"), dict(method="warp", sort_limit=1),
+                   dict(method="warp", sort_limit=64)):
+        run_merge(keys, case, **launch)

@@ -31,7 +31,7 @@ elif NAME == "hip":
     from numba.hip.extending import intrinsic
 
 __all__ = ["inline_device", "float_bits", "shared_atomic_add", "atomic_add", "atomic_exch", "WARP_LANES",
-           "lane_exchange", "lane_value", "flag_load", "flag_store", "fence_system",
+           "lane_exchange", "lane_value", "lane_read", "flag_load", "flag_store", "fence_system",
            "spin_pause", "ctrl_add", "ctrl_cas"]
 
 def inline_device(fn):
@@ -183,6 +183,15 @@ if NAME == "sim":
         """Lane ``lane ^ lane_mask``'s ``value``."""
         return _trade(value, lane, lane_mask)
 
+    def lane_read(value, lane, source_lane):
+        """Lane ``source_lane``'s ``value`` (every lane of the warp must call it)."""
+        box = _mailbox()
+        box.values[lane] = value
+        box.barrier.wait()
+        other = box.values[source_lane]
+        box.barrier.wait()
+        return other
+
 elif NAME == "cuda":
     WARP_LANES = 32
     FULL_MASK = 0xFFFFFFFF
@@ -195,6 +204,10 @@ elif NAME == "cuda":
     def lane_exchange(src, dst, count, lane, lane_mask):
         for s in range(count):
             dst[s] = cuda.shfl_xor_sync(FULL_MASK, src[s], lane_mask)
+
+    @cuda.jit(device=True, inline=True)
+    def lane_read(value, lane, source_lane):
+        return cuda.shfl_sync(FULL_MASK, value, source_lane)
 
 elif NAME == "hip":
     # wave64 on gfx90a/gfx942 (CDNA). HIP's __shfl_xor is ds_bpermute underneath;
@@ -231,6 +244,10 @@ elif NAME == "hip":
     def lane_exchange(src, dst, count, lane, lane_mask):
         for s in range(count):
             dst[s] = _read_lane(src[s], lane ^ lane_mask)
+
+    @cuda.jit(device=True, inline=True)
+    def lane_read(value, lane, source_lane):
+        return _read_lane(int64(value), source_lane)
 
 
 # ---------------------------------------------------------------------------

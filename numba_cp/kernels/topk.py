@@ -245,7 +245,7 @@ def shard_topk_warp_kernel(run, slots, warps):
 
 @lru_cache(maxsize=None)
 def _merge_warp_select(run, slots, warps):
-    warp_topk = make_warp_topk(gathered_candidate_key, run, slots, warps)
+    warp_topk = make_warp_topk(gathered_candidate_key, run, slots, warps, presorted=True)
 
     @inline_device
     def merge_warp_select(keys, seq_lens, topk_idx, head, row, query_len, init_blocks,
@@ -332,6 +332,7 @@ def _warp_sparse_table(slots):
                 context_lens[head, row] = n_full * SPARSE_BLOCK + (ctx_len - self_blk * SPARSE_BLOCK)
             else:
                 context_lens[head, row] = min(n_used * SPARSE_BLOCK, ctx_len)
+        pages = cuda.local.array(slots, int64)  # all page lookups in flight at once
         for s in range(slots):
             e = lane * slots + s
             b = blocks[s]
@@ -342,10 +343,14 @@ def _warp_sparse_table(slots):
                     before += 1
                 else:
                     slot = n_full
+                pages[s] = block_table[request, b] * page_stride
+            blocks[s] = slot
+        for s in range(slots):
+            e = lane * slots + s
+            slot = blocks[s]
             if slot >= 0:
-                first = block_table[request, b] * page_stride
                 for p in range(PAGES):
-                    sparse_table[head, row, slot * PAGES + p] = first + p
+                    sparse_table[head, row, slot * PAGES + p] = pages[s] + p
             if n_used <= e < topk:
                 for p in range(PAGES):
                     sparse_table[head, row, e * PAGES + p] = 0

@@ -40,7 +40,7 @@ from functools import lru_cache
 from numba import int64
 
 from ..backend import cuda
-from .primitives import WARP_LANES, inline_device, lane_exchange
+from .primitives import WARP_LANES, inline_device, lane_exchange, lane_read, lane_value
 
 LOG_LANES = WARP_LANES.bit_length() - 1
 
@@ -161,8 +161,36 @@ def reverse_runs(slots, run):
 
 
 @lru_cache(maxsize=None)
-def make_warp_topk(candidate_key, run, slots, warps):
+def runs_sorted(slots, run):
+    """Whether every run of the warp is already in descending order (warp-uniform)."""
+
+    @inline_device
+    def check(v, lane):
+        ok = int64(1)
+        for s in range(slots - 1):
+            if ((lane * slots + s + 1) & (run - 1)) != 0 and v[s] < v[s + 1]:
+                ok = 0
+        following = lane_read(v[0], lane, (lane + 1) & (WARP_LANES - 1))
+        if (lane < WARP_LANES - 1 and (((lane + 1) * slots) & (run - 1)) != 0
+                and v[slots - 1] < following):
+            ok = 0
+        mask = 1
+        while mask < WARP_LANES:
+            ok &= lane_value(ok, lane, mask)
+            mask <<= 1
+        return ok != 0
+
+    return check
+
+
+@lru_cache(maxsize=None)
+def make_warp_topk(candidate_key, run, slots, warps, presorted=False):
     """``warp_topk(src, ctx, count, v, t, acc, shared)`` for one key source.
+
+    ``presorted``: the source usually holds descending runs of ``run``
+    consecutive keys (the merge's gathered shard keys, when ``per_shard ==
+    run``). Lanes then read consecutive keys, and a pass whose runs are all in
+    order skips the sort; any other input is sorted as usual.
 
     ``candidate_key(src, ctx, i)`` is key ``i < count`` of the row. The block
     is ``warps`` whole warps, all of them working on one row; ``v``, ``t`` and
@@ -179,6 +207,7 @@ def make_warp_topk(candidate_key, run, slots, warps):
     halve = sequence(halve_schedule(slots, run, width))
     clean = sequence(half_cleaners(slots, run))
     reverse = reverse_runs(slots, run)
+    in_order = runs_sorted(slots, run)
     log_pass = _log2(width * warps)
     log_width = _log2(width)
 
@@ -202,10 +231,14 @@ def make_warp_topk(candidate_key, run, slots, warps):
         passes = (count + (width * warps - 1)) >> log_pass
         for step in range(passes):
             base = (step * warps + warp) << log_width
-            for s in range(slots):  # slot-major reads: a warp's loads are coalesced
-                i = base + s * WARP_LANES + lane
+            for s in range(slots):
+                if presorted:  # element order = key order, so sorted runs stay runs
+                    i = base + lane * slots + s
+                else:  # slot-major reads: a warp's loads are coalesced
+                    i = base + s * WARP_LANES + lane
                 v[s] = candidate_key(src, ctx, i) if i < count else int64(0)
-            sort_runs(v, t, lane)
+            if not (presorted and in_order(v, lane)):
+                sort_runs(v, t, lane)
             halve(v, t, lane)
             if step == 0:
                 for s in range(slots):
