@@ -230,8 +230,8 @@ def run_case(name, args, torch):
         # device time per launch shape; results never depend on it
         sweep = []
         # one knob at a time around the defaults (each new shape is a compile)
-        shapes = [("warp", t, None) for t in (32, 64, 128, 256)]
-        shapes += [("warp", None, n) for n in (64, 128, 256, 512)]
+        shapes = [("warp", None, n) for n in (32, 64, 128, 256)]
+        shapes += [("warp", t, n) for t in (32, 256, 512, 1024) for n in (32, 64)]
         shapes += [("radix", None, None)]
         with stream:
             for method, threads, sort_limit in shapes:

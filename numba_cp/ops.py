@@ -29,7 +29,7 @@ MAX_LANE_SLOTS = 16  # keys per lane per pass: 3 register arrays of this many in
 # Defaults of the warp method: keys per lane per pass, and warps per row. On
 # the H200 (BENCHMARKS.md) ... ; the simulator keeps passes short and uses two
 # warps so that the tests run chunked rows and the cross-warp tree.
-WARP_SLOTS = 2 if is_simulator else 8
+WARP_SLOTS = 2
 WARP_MAX_WARPS = 2 if is_simulator else 8
 
 # The simulator runs every GPU thread as a Python thread: small blocks keep it quick.
