@@ -37,6 +37,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import re
 import tempfile
 import time
 from types import SimpleNamespace
@@ -47,6 +48,10 @@ from .backend import NAME, cuda
 
 A = "A"  # any layout: the wrappers pass strided views
 CAPACITIES = (16, 2048)  # the smallest sort tile the tests use and the envelope's largest
+# (run, slots, warps) of the warp kernels: one-warp rows with in-lane and
+# cross-lane stages, and multi-warp rows (chunk loop + shared-memory tree).
+# Both fit a run in a warp of 32 (CUDA) and of 64 lanes (CDNA).
+WARP_SHAPES = ((16, 2, 1), (128, 4, 8))
 
 
 def _array(dtype, ndim):
@@ -55,9 +60,22 @@ def _array(dtype, ndim):
 
 def specialisations():
     """``(label, python function, signature)`` for every kernel the wrappers can launch."""
-    from .kernels.topk import merge_sparse_table_kernel, merge_topk_kernel, shard_topk_kernel
+    from .kernels.topk import (merge_sparse_table_kernel, merge_sparse_table_warp_kernel,
+                               merge_topk_kernel, merge_topk_warp_kernel, shard_topk_kernel,
+                               shard_topk_warp_kernel)
 
     i64 = types.int64
+    seq_lens = _array(types.int32, 1)
+    merge_args = (_array(i64, 4), seq_lens, _array(types.int32, 3), i64, i64, i64)
+    table_args = (_array(types.int32, 2), i64, _array(types.int32, 3), _array(types.int32, 2))
+    for shape in WARP_SHAPES:
+        name = "run={},slots={},warps={}".format(*shape)
+        yield (f"shard_topk_keys_warp[{name}]", shard_topk_warp_kernel(*shape).py_func,
+               (_array(types.float32, 3), seq_lens, _array(i64, 3)) + (i64,) * 7)
+        yield (f"merge_topk_ids_warp[{name}]", merge_topk_warp_kernel(*shape).py_func,
+               merge_args)
+        yield (f"merge_topk_ids_and_table_warp[{name}]",
+               merge_sparse_table_warp_kernel(*shape).py_func, merge_args + table_args)
     for capacity in CAPACITIES:
         for seq in (types.int32, types.int64):
             seq_lens = _array(seq, 1)
@@ -127,7 +145,12 @@ def _compile_each(cc):
         except Exception as exc:  # report every kernel, not just the first failure
             yield label, False, time.perf_counter() - start, f"{type(exc).__name__}: {exc}"
         else:
-            yield label, True, time.perf_counter() - start, f"{len(ptx)} bytes of PTX"
+            local = sum(int(n) for n in re.findall(r"\.local \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
+            detail = f"{len(ptx)} bytes of PTX, {local} B local memory"
+            if "_warp[" in label and local:  # the warp kernels' keys must stay in registers
+                yield label, False, time.perf_counter() - start, detail + " (expected none)"
+            else:
+                yield label, True, time.perf_counter() - start, detail
 
 
 # ---------------------------------------------------------------------------

@@ -31,5 +31,8 @@ def test_every_kernel_compiles_to_ptx_for_sm90():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if "[cap=" in line]
     assert len(lines) == 12 and all(" ok " in line for line in lines), proc.stdout
+    warp = [line for line in proc.stdout.splitlines() if "_warp[" in line]
+    assert len(warp) == 6, proc.stdout  # register-only: a local-memory depot fails the line
+    assert all(" ok " in line and " 0 B local memory" in line for line in warp), proc.stdout
     ipc = [line for line in proc.stdout.splitlines() if line.startswith("ipc_")]
     assert len(ipc) == 5 and all(" ok " in line for line in ipc), proc.stdout  # IPC all-gather

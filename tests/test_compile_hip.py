@@ -39,6 +39,12 @@ def test_every_kernel_compiles_to_an_amdgpu_code_object():
         lines = [line for line in rows if line.split()[1] == arch]
         assert len(lines) == 12, proc.stdout
         assert all(" code object  ok " in line and flags in line for line in lines), proc.stdout
+    # the warp kernels trade keys through ds_bpermute and keep them in VGPRs: no scratch
+    warp = [line for line in proc.stdout.splitlines()
+            if "_warp[" in line.split(" ", 1)[0] and len(line.split()) > 2]
+    assert len(warp) == 6 * len(ARCH_FLAGS), proc.stdout
+    assert all(" code object  ok " in line and " 0 B scratch" in line for line in warp), \
+        proc.stdout
 
 
 def _elf(e_type=3, machine=224, flags=0x54C, osabi=64, abi_version=4):
