@@ -72,6 +72,31 @@ def device_us(call, stream, per_graph, replays):
     return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / (per_graph * replays)
 
 
+_FLOOR = []
+
+
+def floor_kernel():
+    """A probe with the pack's grid and one warp per row that only loads and stores.
+
+    It reads the row's seq_len and 32 scores and writes 32 keys: the cost of a
+    launch plus one dependent-free memory round trip, which no pack can beat.
+    """
+    if not _FLOOR:
+        from numba import cuda
+
+        @cuda.jit
+        def read_row_write_row(scores, seq_lens, out):
+            row = cuda.blockIdx.x
+            head = cuda.blockIdx.y
+            lane = cuda.threadIdx.x
+            n = seq_lens[row]
+            if lane < scores.shape[2] and lane < out.shape[2]:
+                out[head, row, lane] = int(scores[head, row, lane] > 0) + n
+
+        _FLOOR.append(read_row_write_row)
+    return _FLOOR[0]
+
+
 def eager_us(call, stream, calls):
     call(stream)
     stream.synchronize()
@@ -253,6 +278,18 @@ def run_case(name, args, torch):
             row["pack_eager_us"] = eager_us(pack, stream, args.calls)
         row["merge_device_us"] = device_us(merge, stream, args.per_graph, args.replays)
         row["merge_eager_us"] = eager_us(merge, stream, args.calls)
+        if not table_on:
+            from numba import cuda as numba_cuda
+
+            probe = floor_kernel()
+            probe_stream = numba_cuda.external_stream(stream.ptr)
+            grid = (tokens, heads)
+            probe_out = cupy.zeros_like(out)  # not `out`: that one is verified below
+
+            def floor(stream):
+                probe[grid, 32, probe_stream](shards[0], seq_lens, probe_out)
+
+            row["floor_device_us"] = device_us(floor, stream, args.per_graph, args.replays)
         stream.synchronize()
 
     # verify what the timed calls produced
@@ -361,7 +398,8 @@ def main(argv=None):
             ("pack eager", "pack_eager_us"), ("merge dev", "merge_device_us"),
             ("target", "merge_target_us"), ("merge eager", "merge_eager_us"),
             ("torch pack", "torch_pack_device_us"), ("torch merge", "torch_merge_device_us"),
-            ("torch full", "torch_full_topk_device_us"), ("exact", "exact")]
+            ("torch full", "torch_full_topk_device_us"), ("floor", "floor_device_us"),
+            ("exact", "exact")]
     print(f"backend {numba_cp.backend.describe()}; times in us per call; dev = CUDA-graph "
           "replay, eager = Python call to queued work")
     print("  ".join(f"{h:>11}" for h, _ in cols))
