@@ -10,7 +10,7 @@ import pytest
 import numba_cp
 from numba_cp import ops
 from numba_cp import reference as ref
-from support import THREADS, to_device, to_host
+from support import to_device, to_host
 
 ARGS = dict(topk=4, rank=1, world=2, query_len=1, global_blocks=20, init_blocks=1,
             local_blocks=1)
@@ -28,7 +28,7 @@ def test_same_signature_new_data_is_recomputed(monkeypatch):
     monkeypatch.setattr(ops, "_plan_local_topk", lambda *a: planned.append(a) or real(*a))
     for seed in range(3):
         scores, out = to_device(shard(seed)), to_device(np.zeros((2, 3, 4), np.int64))
-        numba_cp.local_topk_keys(scores, to_device(seq), out=out, threads=THREADS, **ARGS)
+        numba_cp.local_topk_keys(scores, to_device(seq), out=out, **ARGS)
         expected = ref.local_topk_keys(shard(seed), seq, **ARGS)
         np.testing.assert_array_equal(to_host(out), expected)
     assert len(planned) == 1, "one signature, one validation"
