@@ -26,9 +26,11 @@ __all__ = ["local_topk_keys", "merge_topk_keys", "METHODS", "DEFAULT_THREADS",
 # sort (numba_cp.kernels.select), for any topk; "auto": warp where it fits.
 METHODS = ("auto", "warp", "radix")
 MAX_LANE_SLOTS = 16  # keys per lane per pass: 3 register arrays of this many int64
-# Defaults of the warp method: keys per lane per pass, and warps per row. On
-# the H200 (BENCHMARKS.md) ... ; the simulator keeps passes short and uses two
-# warps so that the tests run chunked rows and the cross-warp tree.
+# Defaults of the warp method: keys per lane per pass (more when a run needs
+# them), and the most warps per row. In the H200 launch sweeps (BENCHMARKS.md)
+# 2 keys per lane was the best or within 0.1 us of it in every case, and 8 warps
+# beat 16 and 32. The simulator caps rows at two warps, so that the tests run
+# both chunked rows and the cross-warp tree.
 WARP_SLOTS = 2
 WARP_MAX_WARPS = 2 if is_simulator else 8
 
