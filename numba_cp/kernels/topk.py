@@ -17,7 +17,7 @@ from numba import int32, int64
 
 from ..backend import cuda
 from ..constants import PAGES, SPARSE_BLOCK
-from .keys import bits_key, causal_len_of, repin_key, score_key, valid_blocks_of
+from .keys import bits_key, causal_len_of, repin_key, valid_blocks_of
 from .primitives import WARP_LANES, float_bits, inline_device, lane_value
 from .select import SCRATCH, STATE_SLOTS, make_block_topk
 from .warp_select import make_warp_topk
@@ -25,28 +25,6 @@ from .warp_select import make_warp_topk
 # ctx tuples handed to the candidate functions
 # shard:    (head, row, rank, world, init_blocks, local_start)
 # gathered: (head, row, per_shard, log2(per_shard) or -1, init_blocks, local_start)
-
-
-@cuda.jit(device=True, inline=True)
-def shard_candidate_key(scores, ctx, column):
-    head, row, rank, world, init_blocks, local_start = ctx
-    block = column * world + rank
-    return score_key(scores[head, row, column], block, init_blocks, local_start)
-
-
-@cuda.jit(device=True, inline=True)
-def gathered_candidate_key(keys, ctx, i):
-    head, row, per_shard, shift, init_blocks, local_start = ctx
-    if shift >= 0:  # per_shard is a power of two (it usually is topk): no division
-        rank = i >> shift
-        column = i & (per_shard - 1)
-    else:
-        rank = i // per_shard
-        column = i - rank * per_shard
-    key = keys[rank, head, row, column]
-    if key == 0:
-        return int64(0)
-    return repin_key(key, init_blocks, local_start)
 
 
 @cuda.jit(device=True, inline=True)
@@ -81,12 +59,41 @@ def gathered_repin(key, ctx, i):
 
 
 @cuda.jit(device=True, inline=True)
+def shard_candidate_key(scores, ctx, column):
+    return shard_bits_key(shard_score_bits(scores, ctx, column), ctx, column)
+
+
+@cuda.jit(device=True, inline=True)
+def gathered_candidate_key(keys, ctx, i):
+    return gathered_repin(gathered_raw_key(keys, ctx, i), ctx, i)
+
+
+@cuda.jit(device=True, inline=True)
 def shard_candidate_count(valid_blocks, global_blocks, rank, world, local):
     """Local columns ``j`` whose block ``j * world + rank`` is valid for the row."""
     limit = min(valid_blocks, global_blocks)
     if limit <= rank:
         return int64(0)
     return min((limit - rank + world - 1) // world, local)
+
+
+@cuda.jit(device=True, inline=True)
+def row_window(seq_lens, row, query_len, local_blocks):
+    request = row // query_len
+    causal_len = causal_len_of(seq_lens[request], row - request * query_len, query_len)
+    valid_blocks = valid_blocks_of(causal_len)
+    return request, causal_len, valid_blocks, max(valid_blocks - local_blocks, 0)
+
+
+@cuda.jit(device=True, inline=True)
+def per_shard_shift(per_shard):
+    """log2(per_shard) when it is a power of two, else -1 (see gathered_candidate_key)."""
+    shift = int64(-1)
+    if per_shard & (per_shard - 1) == 0:
+        shift = 0
+        while (int64(1) << shift) < per_shard:
+            shift += 1
+    return shift
 
 
 @lru_cache(maxsize=None)
@@ -99,14 +106,11 @@ def shard_topk_kernel(capacity):
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
-        row = cuda.blockIdx.x
-        head = cuda.blockIdx.y
-        request = row // query_len
-        valid_blocks = valid_blocks_of(causal_len_of(seq_lens[request], row - request * query_len,
-                                                     query_len))
-        local_start = max(valid_blocks - local_blocks, 0)
+        row = int64(cuda.blockIdx.x)
+        head = int64(cuda.blockIdx.y)
+        _, _, valid_blocks, local_start = row_window(seq_lens, row, query_len, local_blocks)
         count = shard_candidate_count(valid_blocks, global_blocks, rank, world, scores.shape[2])
-        ctx = (int64(head), int64(row), rank, world, init_blocks, local_start)
+        ctx = (head, row, rank, world, init_blocks, local_start)
         block_topk(scores, ctx, count, topk, sel, hist, state)
         for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
             out[head, row, j] = sel[j]
@@ -123,17 +127,10 @@ def _merge_select(capacity):
                      sel, hist, state):
         """Merge one (head, row); leaves its block ids (or -1) in ``sel[0:topk]``."""
         topk = topk_idx.shape[2]
-        request = row // query_len
-        causal_len = causal_len_of(seq_lens[request], row - request * query_len, query_len)
-        valid_blocks = valid_blocks_of(causal_len)
-        local_start = max(valid_blocks - local_blocks, 0)
+        _, causal_len, valid_blocks, local_start = row_window(seq_lens, row, query_len,
+                                                              local_blocks)
         per_shard = int64(keys.shape[3])
-        shift = int64(-1)
-        if per_shard & (per_shard - 1) == 0:
-            shift = 0
-            while (int64(1) << shift) < per_shard:
-                shift += 1
-        ctx = (head, row, per_shard, shift, init_blocks, local_start)
+        ctx = (head, row, per_shard, per_shard_shift(per_shard), init_blocks, local_start)
         block_topk(keys, ctx, keys.shape[0] * per_shard, topk, sel, hist, state)
         kept = min(topk, valid_blocks)
         for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
@@ -225,25 +222,6 @@ def merge_sparse_table_kernel(capacity):
 # ---------------------------------------------------------------------------
 # Warp kernels: the row's top keys end in warp 0's registers (``acc``), element
 # ``e = lane * slots + s``; warp 0 writes the outputs.
-
-
-@cuda.jit(device=True, inline=True)
-def row_window(seq_lens, row, query_len, local_blocks):
-    request = row // query_len
-    causal_len = causal_len_of(seq_lens[request], row - request * query_len, query_len)
-    valid_blocks = valid_blocks_of(causal_len)
-    return request, causal_len, valid_blocks, max(valid_blocks - local_blocks, 0)
-
-
-@cuda.jit(device=True, inline=True)
-def per_shard_shift(per_shard):
-    """log2(per_shard) when it is a power of two, else -1 (see gathered_candidate_key)."""
-    shift = int64(-1)
-    if per_shard & (per_shard - 1) == 0:
-        shift = 0
-        while (int64(1) << shift) < per_shard:
-            shift += 1
-    return shift
 
 
 @lru_cache(maxsize=None)
