@@ -13,6 +13,7 @@ HIP. There the atomics below are small intrinsics that emit LLVM ``atomicrmw``
 on the element's address (relaxed ordering, as CUDA's ``atomicAdd`` is).
 """
 
+import os
 import threading
 import time
 
@@ -143,10 +144,25 @@ if NAME != "hip":
 #
 # The simulator has no shuffles; its warps are WARP_LANES consecutive Python
 # threads meeting at a per-warp barrier, and 8 lanes keep it quick while every
-# cross-lane stage of the algorithm still runs.
+# cross-lane stage of the algorithm still runs (NUMBA_CP_SIM_LANES picks others).
+
+def _simulated_lanes():
+    """Lanes per simulated warp: NUMBA_CP_SIM_LANES (a power of two, 2 to 64), default 8.
+
+    32 and 64 run CUDA's and CDNA's warp layouts on the CPU; 8 keeps the tests quick.
+    """
+    text = os.environ.get("NUMBA_CP_SIM_LANES", "8")
+    try:
+        lanes = int(text)
+    except ValueError:
+        lanes = 0
+    if not (2 <= lanes <= 64 and lanes & (lanes - 1) == 0):
+        raise ValueError(f"NUMBA_CP_SIM_LANES must be a power of two from 2 to 64, got {text!r}")
+    return lanes
+
 
 if NAME == "sim":
-    WARP_LANES = 8
+    WARP_LANES = _simulated_lanes()
     SIM_WARP_TIMEOUT_S = 120.0  # a lane that never arrives is a bug: fail, don't hang
     _MAILBOX_LOCK = threading.Lock()
 

@@ -1,0 +1,38 @@
+"""The warp kernels at CUDA's (32) and CDNA's (64) warp widths, on the simulator.
+
+The test suite runs 8-lane simulated warps for speed; the GPUs run 32 or 64.
+The lane count changes which stages stay inside a lane and which cross lanes,
+so each width runs an exchange end to end (pack on every shard, merge, sparse
+table, equality with the unsharded oracle) in a subprocess of its own.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from numba_cp import backend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(not backend.is_simulator, reason="sets the simulator's warp width")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("lanes", [4, 32, 64])
+def test_exchange_is_exact_at_each_warp_width(lanes):
+    env = dict(os.environ, NUMBA_CP_BACKEND="sim", NUMBA_CP_SIM_LANES=str(lanes),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = ["--local", "100", "--topk", "40", "--heads", "1", "--tokens", "2",
+            "--query-len", "2", "--world", "3", "--method", "warp"]
+    proc = subprocess.run([sys.executable, "launch/kernel_check.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "exchange == unsharded top-k" in proc.stdout and "FAIL" not in proc.stdout
+
+
+def test_bad_simulated_width_is_named():
+    env = dict(os.environ, NUMBA_CP_BACKEND="sim", NUMBA_CP_SIM_LANES="48")
+    proc = subprocess.run([sys.executable, "-c", "import numba_cp.kernels.primitives"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "NUMBA_CP_SIM_LANES" in proc.stderr, proc.stderr
