@@ -65,12 +65,6 @@ def score_key(score, block, init_blocks, local_start):
 
 
 @cuda.jit(device=True, inline=True)
-def bits_key(bits, block, init_blocks, local_start):
-    """Key of a valid block from its score's float32 bit pattern (see float_bits)."""
-    return make_key(pin_ordered(ordered_from_bits(bits), block, init_blocks, local_start), block)
-
-
-@cuda.jit(device=True, inline=True)
 def repin_key(key, init_blocks, local_start):
     """A gathered non-zero key decoded, pinned with this row's window and repacked."""
     block = (key & 0xFFFF) - 1

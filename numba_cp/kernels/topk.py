@@ -17,8 +17,8 @@ from numba import int32, int64
 
 from ..backend import cuda
 from ..constants import PAGES, SPARSE_BLOCK
-from .keys import bits_key, causal_len_of, repin_key, valid_blocks_of
-from .primitives import WARP_LANES, float_bits, inline_device, lane_value
+from .keys import causal_len_of, repin_key, score_key, valid_blocks_of
+from .primitives import WARP_LANES, inline_device, lane_value
 from .select import SCRATCH, STATE_SLOTS, make_block_topk
 from .warp_select import make_warp_topk
 
@@ -28,44 +28,25 @@ from .warp_select import make_warp_topk
 
 
 @cuda.jit(device=True, inline=True)
-def shard_score_bits(scores, ctx, column):
-    head, row = ctx[0], ctx[1]
-    return float_bits(scores[head, row, column])
+def shard_candidate_key(scores, ctx, column):
+    head, row, rank, world, init_blocks, local_start = ctx
+    block = column * world + rank
+    return score_key(scores[head, row, column], block, init_blocks, local_start)
 
 
 @cuda.jit(device=True, inline=True)
-def shard_bits_key(bits, ctx, column):
-    _, _, rank, world, init_blocks, local_start = ctx
-    return bits_key(bits, column * world + rank, init_blocks, local_start)
-
-
-@cuda.jit(device=True, inline=True)
-def gathered_raw_key(keys, ctx, i):
-    head, row, per_shard, shift = ctx[0], ctx[1], ctx[2], ctx[3]
-    if shift >= 0:
+def gathered_candidate_key(keys, ctx, i):
+    head, row, per_shard, shift, init_blocks, local_start = ctx
+    if shift >= 0:  # per_shard is a power of two (it usually is topk): no division
         rank = i >> shift
         column = i & (per_shard - 1)
     else:
         rank = i // per_shard
         column = i - rank * per_shard
-    return keys[rank, head, row, column]
-
-
-@cuda.jit(device=True, inline=True)
-def gathered_repin(key, ctx, i):
+    key = keys[rank, head, row, column]
     if key == 0:
         return int64(0)
-    return repin_key(key, ctx[4], ctx[5])
-
-
-@cuda.jit(device=True, inline=True)
-def shard_candidate_key(scores, ctx, column):
-    return shard_bits_key(shard_score_bits(scores, ctx, column), ctx, column)
-
-
-@cuda.jit(device=True, inline=True)
-def gathered_candidate_key(keys, ctx, i):
-    return gathered_repin(gathered_raw_key(keys, ctx, i), ctx, i)
+    return repin_key(key, init_blocks, local_start)
 
 
 @cuda.jit(device=True, inline=True)
@@ -226,7 +207,7 @@ def merge_sparse_table_kernel(capacity):
 
 @lru_cache(maxsize=None)
 def shard_topk_warp_kernel(run, slots, warps):
-    warp_topk = make_warp_topk(shard_score_bits, shard_bits_key, run, slots, warps)
+    warp_topk = make_warp_topk(shard_candidate_key, run, slots, warps)
     shared_size = warps * run
 
     @cuda.jit
@@ -240,9 +221,8 @@ def shard_topk_warp_kernel(run, slots, warps):
         head = int64(cuda.blockIdx.y)
         _, _, valid_blocks, local_start = row_window(seq_lens, row, query_len, local_blocks)
         count = shard_candidate_count(valid_blocks, global_blocks, rank, world, scores.shape[2])
-        bound = shard_candidate_count(global_blocks, global_blocks, rank, world, scores.shape[2])
         ctx = (head, row, rank, world, init_blocks, local_start)
-        warp_topk(scores, ctx, count, bound, v, t, acc, shared)
+        warp_topk(scores, ctx, count, v, t, acc, shared)
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             for s in range(slots):
@@ -255,8 +235,7 @@ def shard_topk_warp_kernel(run, slots, warps):
 
 @lru_cache(maxsize=None)
 def _merge_warp_select(run, slots, warps):
-    warp_topk = make_warp_topk(gathered_raw_key, gathered_repin, run, slots, warps,
-                               presorted=True)
+    warp_topk = make_warp_topk(gathered_candidate_key, run, slots, warps, presorted=True)
 
     @inline_device
     def merge_warp_select(keys, seq_lens, topk_idx, head, row, query_len, init_blocks,
@@ -266,8 +245,7 @@ def _merge_warp_select(run, slots, warps):
                                                                     local_blocks)
         per_shard = int64(keys.shape[3])
         ctx = (head, row, per_shard, per_shard_shift(per_shard), init_blocks, local_start)
-        candidates = keys.shape[0] * per_shard
-        warp_topk(keys, ctx, candidates, candidates, v, t, acc, shared)
+        warp_topk(keys, ctx, keys.shape[0] * per_shard, v, t, acc, shared)
         topk = topk_idx.shape[2]
         kept = min(topk, valid_blocks)
         lane = cuda.threadIdx.x

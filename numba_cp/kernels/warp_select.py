@@ -184,24 +184,19 @@ def runs_sorted(slots, run):
 
 
 @lru_cache(maxsize=None)
-def make_warp_topk(read_candidate, candidate_key, run, slots, warps, presorted=False):
-    """``warp_topk(src, ctx, count, bound, v, t, acc, shared)`` for one key source.
+def make_warp_topk(candidate_key, run, slots, warps, presorted=False):
+    """``warp_topk(src, ctx, count, v, t, acc, shared)`` for one key source.
 
-    ``read_candidate(src, ctx, i)`` loads candidate ``i``'s raw int64 word
-    for any ``i < bound`` (memory the shapes guarantee, whatever the row's
-    length), and ``candidate_key(raw, ctx, i)`` turns it into key ``i`` for
-    ``i < count <= bound``; the rest are zero. Split so that the first pass's
-    loads need nothing that depends on ``seq_lens``: they go out while the
-    row's length is still in flight (values past ``count`` are discarded
-    unused, so garbage there cannot matter).
+    ``candidate_key(src, ctx, i)`` is key ``i < count`` of the row; no
+    candidate at or past ``count`` is read (SPEC.md: those columns may hold
+    garbage and are never read).
 
     ``presorted``: the source usually holds descending runs of ``run``
     consecutive keys (the merge's gathered shard keys, when ``per_shard ==
     run``). Lanes then read consecutive keys, and a pass whose runs are all in
     order skips the sort; any other input is sorted as usual.
 
-    The block
-    is ``warps`` whole warps, all of them working on one row; ``v``, ``t`` and
+    The block is ``warps`` whole warps, all of them working on one row; ``v``, ``t`` and
     ``acc`` are local int64 arrays of ``slots`` elements, ``shared`` a shared
     int64 array of ``warps * run`` (unused when ``warps == 1``). Afterwards
     warp 0's ``acc`` holds the row's ``run`` largest keys in descending
@@ -230,13 +225,13 @@ def make_warp_topk(read_candidate, candidate_key, run, slots, warps, presorted=F
             acc[s] = v[s]
 
     @inline_device
-    def warp_topk(src, ctx, count, bound, v, t, acc, shared):
+    def warp_topk(src, ctx, count, v, t, acc, shared):
         tid = cuda.threadIdx.x
         lane = tid & (WARP_LANES - 1)
         warp = tid >> LOG_LANES
         for s in range(slots):
             acc[s] = 0
-        passes = max((count + (width * warps - 1)) >> log_pass, 1)
+        passes = (count + (width * warps - 1)) >> log_pass
         for step in range(passes):
             base = (step * warps + warp) << log_width
             for s in range(slots):
@@ -244,13 +239,7 @@ def make_warp_topk(read_candidate, candidate_key, run, slots, warps, presorted=F
                     i = base + lane * slots + s
                 else:  # slot-major reads: a warp's loads are coalesced
                     i = base + s * WARP_LANES + lane
-                v[s] = read_candidate(src, ctx, i) if i < bound else int64(0)
-            for s in range(slots):
-                if presorted:
-                    i = base + lane * slots + s
-                else:
-                    i = base + s * WARP_LANES + lane
-                v[s] = candidate_key(v[s], ctx, i) if i < count else int64(0)
+                v[s] = candidate_key(src, ctx, i) if i < count else int64(0)
             if not (presorted and in_order(v, lane)):
                 sort_runs(v, t, lane)
             halve(v, t, lane)
