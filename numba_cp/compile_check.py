@@ -33,11 +33,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import struct
 import subprocess
 import sys
-import re
 import tempfile
 import time
 from types import SimpleNamespace

@@ -17,6 +17,8 @@ target uses: Numba's own dispatch.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from .arrays import as_kernel_array, resolve_stream, with_leading_axis
@@ -49,19 +51,14 @@ def array_signature(obj):
              None if strides is None else tuple(strides)), interface["data"][0])
 
 
-_CUPY = []
-
-
+@lru_cache(maxsize=None)
 def _cupy_ndarray():
     """``cupy.ndarray``, or None where CuPy is not installed (looked up once)."""
-    if not _CUPY:
-        try:
-            import cupy
-        except ImportError:
-            _CUPY.append(None)
-        else:
-            _CUPY.append(cupy.ndarray)
-    return _CUPY[0]
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy.ndarray
 
 
 def context_token():

@@ -79,7 +79,9 @@ def _method(method, topk):
     if method == "warp" and not fits:
         raise ValueError(f"method='warp' handles topk <= {WARP_LANES * MAX_LANE_SLOTS} on this "
                          f"target, got topk={topk}; use method='radix' or 'auto'")
-    return "warp" if method == "auto" and fits else ("radix" if method == "auto" else method)
+    if method != "auto":
+        return method
+    return "warp" if fits else "radix"
 
 
 def _warp_shape(topk: int, candidates: int, threads, sort_limit):

@@ -31,9 +31,10 @@ elif NAME == "hip":
     from numba.core import cgutils
     from numba.hip.extending import intrinsic
 
-__all__ = ["inline_device", "float_bits", "shared_atomic_add", "atomic_add", "atomic_exch", "WARP_LANES",
-           "lane_exchange", "lane_value", "lane_read", "flag_load", "flag_store", "fence_system",
-           "spin_pause", "ctrl_add", "ctrl_cas"]
+__all__ = ["inline_device", "float_bits", "shared_atomic_add", "atomic_add", "atomic_exch",
+           "WARP_LANES", "lane_exchange", "lane_value", "lane_read", "flag_load", "flag_store",
+           "fence_system", "spin_pause", "ctrl_add", "ctrl_cas"]
+
 
 def inline_device(fn):
     """A device function the GPU compiler must inline (LLVM ``alwaysinline``).
@@ -146,6 +147,7 @@ if NAME != "hip":
 # threads meeting at a per-warp barrier, and 8 lanes keep it quick while every
 # cross-lane stage of the algorithm still runs (NUMBA_CP_SIM_LANES picks others).
 
+
 def _simulated_lanes():
     """Lanes per simulated warp: NUMBA_CP_SIM_LANES (a power of two, 2 to 64), default 8.
 
@@ -182,31 +184,22 @@ if NAME == "sim":
                 box = boxes[warp] = _WarpMailbox()
         return box
 
-    def _trade(value, lane, lane_mask):
-        box = _mailbox()
-        box.values[lane] = value
-        box.barrier.wait()
-        other = box.values[lane ^ lane_mask]
-        box.barrier.wait()  # nobody posts the next value before every lane has read
-        return other
-
-    def lane_exchange(src, dst, count, lane, lane_mask):
-        """``dst[s]`` = lane ``lane ^ lane_mask``'s ``src[s]`` for ``s < count``."""
-        other = _trade(np.array(src[:count]), lane, lane_mask)
-        dst[:count] = other
-
-    def lane_value(value, lane, lane_mask):
-        """Lane ``lane ^ lane_mask``'s ``value``."""
-        return _trade(value, lane, lane_mask)
-
     def lane_read(value, lane, source_lane):
         """Lane ``source_lane``'s ``value`` (every lane of the warp must call it)."""
         box = _mailbox()
         box.values[lane] = value
         box.barrier.wait()
         other = box.values[source_lane]
-        box.barrier.wait()
+        box.barrier.wait()  # nobody posts the next value before every lane has read
         return other
+
+    def lane_exchange(src, dst, count, lane, lane_mask):
+        """``dst[s]`` = lane ``lane ^ lane_mask``'s ``src[s]`` for ``s < count``."""
+        dst[:count] = lane_read(np.array(src[:count]), lane, lane ^ lane_mask)
+
+    def lane_value(value, lane, lane_mask):
+        """Lane ``lane ^ lane_mask``'s ``value``."""
+        return lane_read(value, lane, lane ^ lane_mask)
 
 elif NAME == "cuda":
     WARP_LANES = 32

@@ -215,14 +215,19 @@ def make_warp_topk(candidate_key, run, slots, warps, presorted=False):
     log_width = _log2(width)
 
     @inline_device
-    def merge_into(acc, v, t, lane):
-        """``acc`` = the top ``run`` of ``acc`` and ``v``, each sorted in every run."""
-        reverse(v, t, lane)
+    def keep_top(acc, v, t, lane):
+        """``acc`` = the top ``run`` of ``acc`` and of the run that ``t`` holds reversed."""
         for s in range(slots):
             v[s] = max(acc[s], t[s])
         clean(v, t, lane)
         for s in range(slots):
             acc[s] = v[s]
+
+    @inline_device
+    def merge_into(acc, v, t, lane):
+        """``acc`` = the top ``run`` of ``acc`` and ``v``, each sorted in every run."""
+        reverse(v, t, lane)
+        keep_top(acc, v, t, lane)
 
     @inline_device
     def warp_topk(src, ctx, count, v, t, acc, shared):
@@ -258,13 +263,9 @@ def make_warp_topk(candidate_key, run, slots, warps, presorted=False):
             cuda.syncthreads()
             if warp & (2 * stride - 1) == 0:
                 partner = (warp + stride) * run
-                for s in range(slots):
+                for s in range(slots):  # the partner's run, read back to front
                     t[s] = shared[partner + (((lane * slots + s) & (run - 1)) ^ (run - 1))]
-                for s in range(slots):
-                    v[s] = max(acc[s], t[s])
-                clean(v, t, lane)
-                for s in range(slots):
-                    acc[s] = v[s]
+                keep_top(acc, v, t, lane)
             stride <<= 1
 
     return warp_topk
