@@ -77,6 +77,33 @@ def per_shard_shift(per_shard):
     return shift
 
 
+@cuda.jit(device=True, inline=True)
+def shard_row(scores, seq_lens, rank, world, query_len, global_blocks, init_blocks,
+              local_blocks):
+    """This block's ``(head, row)``, its shard candidate count and candidate ctx."""
+    row = int64(cuda.blockIdx.x)
+    head = int64(cuda.blockIdx.y)
+    _, _, valid_blocks, local_start = row_window(seq_lens, row, query_len, local_blocks)
+    count = shard_candidate_count(valid_blocks, global_blocks, rank, world, scores.shape[2])
+    return head, row, count, (head, row, rank, world, init_blocks, local_start)
+
+
+@cuda.jit(device=True, inline=True)
+def gathered_row(keys, seq_lens, head, row, query_len, init_blocks, local_blocks):
+    """``(request, causal_len, valid_blocks, candidates, ctx)`` of a merge row."""
+    request, causal_len, valid_blocks, local_start = row_window(seq_lens, row, query_len,
+                                                                local_blocks)
+    per_shard = int64(keys.shape[3])
+    ctx = (head, row, per_shard, per_shard_shift(per_shard), init_blocks, local_start)
+    return request, causal_len, valid_blocks, keys.shape[0] * per_shard, ctx
+
+
+@cuda.jit(device=True, inline=True)
+def merged_block(key, position, kept):
+    """Block id of the merged key at ``position``, or -1 past ``kept`` or for key 0."""
+    return (key & 0xFFFF) - 1 if (position < kept and key != 0) else int64(-1)
+
+
 @lru_cache(maxsize=None)
 def shard_topk_kernel(capacity):
     block_topk = make_block_topk(shard_candidate_key, capacity)
@@ -87,11 +114,8 @@ def shard_topk_kernel(capacity):
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
-        row = int64(cuda.blockIdx.x)
-        head = int64(cuda.blockIdx.y)
-        _, _, valid_blocks, local_start = row_window(seq_lens, row, query_len, local_blocks)
-        count = shard_candidate_count(valid_blocks, global_blocks, rank, world, scores.shape[2])
-        ctx = (head, row, rank, world, init_blocks, local_start)
+        head, row, count, ctx = shard_row(scores, seq_lens, rank, world, query_len,
+                                          global_blocks, init_blocks, local_blocks)
         block_topk(scores, ctx, count, topk, sel, hist, state)
         for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
             out[head, row, j] = sel[j]
@@ -108,15 +132,13 @@ def _merge_select(capacity):
                      sel, hist, state):
         """Merge one (head, row); leaves its block ids (or -1) in ``sel[0:topk]``."""
         topk = topk_idx.shape[2]
-        _, causal_len, valid_blocks, local_start = row_window(seq_lens, row, query_len,
-                                                              local_blocks)
-        per_shard = int64(keys.shape[3])
-        ctx = (head, row, per_shard, per_shard_shift(per_shard), init_blocks, local_start)
-        block_topk(keys, ctx, keys.shape[0] * per_shard, topk, sel, hist, state)
+        _, causal_len, valid_blocks, count, ctx = gathered_row(keys, seq_lens, head, row,
+                                                               query_len, init_blocks,
+                                                               local_blocks)
+        block_topk(keys, ctx, count, topk, sel, hist, state)
         kept = min(topk, valid_blocks)
         for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
-            key = sel[j]
-            block = (key & 0xFFFF) - 1 if (j < kept and key != 0) else int64(-1)
+            block = merged_block(sel[j], j, kept)
             topk_idx[head, row, j] = block
             sel[j] = block
         cuda.syncthreads()
@@ -217,11 +239,8 @@ def shard_topk_warp_kernel(run, slots, warps):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
-        row = int64(cuda.blockIdx.x)
-        head = int64(cuda.blockIdx.y)
-        _, _, valid_blocks, local_start = row_window(seq_lens, row, query_len, local_blocks)
-        count = shard_candidate_count(valid_blocks, global_blocks, rank, world, scores.shape[2])
-        ctx = (head, row, rank, world, init_blocks, local_start)
+        head, row, count, ctx = shard_row(scores, seq_lens, rank, world, query_len,
+                                          global_blocks, init_blocks, local_blocks)
         warp_topk(scores, ctx, count, v, t, acc, shared)
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
@@ -241,19 +260,17 @@ def _merge_warp_select(run, slots, warps):
     def merge_warp_select(keys, seq_lens, topk_idx, head, row, query_len, init_blocks,
                           local_blocks, v, t, acc, shared):
         """Merge one (head, row); warp 0 writes topk_idx and keeps the ids in ``acc``."""
-        request, causal_len, valid_blocks, local_start = row_window(seq_lens, row, query_len,
-                                                                    local_blocks)
-        per_shard = int64(keys.shape[3])
-        ctx = (head, row, per_shard, per_shard_shift(per_shard), init_blocks, local_start)
-        warp_topk(keys, ctx, keys.shape[0] * per_shard, v, t, acc, shared)
+        request, causal_len, valid_blocks, count, ctx = gathered_row(keys, seq_lens, head, row,
+                                                                     query_len, init_blocks,
+                                                                     local_blocks)
+        warp_topk(keys, ctx, count, v, t, acc, shared)
         topk = topk_idx.shape[2]
         kept = min(topk, valid_blocks)
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             for s in range(slots):
                 e = lane * slots + s
-                key = acc[s]
-                block = (key & 0xFFFF) - 1 if (e < kept and key != 0) else int64(-1)
+                block = merged_block(acc[s], e, kept)
                 acc[s] = block
                 if e < topk:
                     topk_idx[head, row, e] = block
