@@ -2,7 +2,7 @@
 
     NUMBA_CP_BACKEND=cuda python benchmarks/bench_kernels.py --json bench.json [--cases a,b]
 
-For each case of issue 4 (heads 4 unless stated; seq_lens uniform in
+For each benchmark case (heads 4 unless stated; seq_lens uniform in
 [context/2, context] with the first request at context; standard-normal scores;
 init_blocks 1, local_blocks 2):
 
@@ -23,20 +23,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numba_cp  # noqa: E402
-from numba_cp import reference as ref  # noqa: E402
-from numba_cp.arrays import host_copy  # noqa: E402
-from numba_cp.constants import INIT_SCORE, LOCAL_SCORE, PAGES  # noqa: E402
-from numba_cp.kernels.keys import ORDERED_INIT, ORDERED_LOCAL  # noqa: E402
-from numba_cp.workload import decode_workload  # noqa: E402
+import numba_cp
+from numba_cp import reference as ref
+from numba_cp.arrays import host_copy
+from numba_cp.constants import INIT_SCORE, LOCAL_SCORE, PAGES
+from numba_cp.kernels.keys import ORDERED_INIT, ORDERED_LOCAL
+from numba_cp.workload import decode_workload
 
 K = 1024
 CASES = {  # context, world, topk, batch, query_len, heads, table, pack/merge targets (us)
@@ -381,7 +379,7 @@ def main(argv=None):
                    help="kernel family timed (the sweep tries both)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if numba_cp.backend.is_simulator:
+    if numba_cp.backend.TARGET.simulator:
         raise SystemExit("bench_kernels.py times a GPU: run it with NUMBA_CP_BACKEND=cuda "
                          "(or hip) on a GPU node")
     torch = None

@@ -5,19 +5,16 @@
 
 import argparse
 import cProfile
-import os
 import pstats
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import numba_cp  # noqa: E402
-from numba_cp import reference as ref  # noqa: E402
-from numba_cp.arrays import device_copy  # noqa: E402
-from numba_cp.workload import decode_workload  # noqa: E402
+import numba_cp
+from numba_cp import reference as ref
+from numba_cp.arrays import device_copy
+from numba_cp.workload import decode_workload
 
 
 def main():

@@ -26,18 +26,17 @@ import traceback
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mpi4py import MPI  # noqa: E402
+from mpi4py import MPI
 
-import numba_cp  # noqa: E402
-from numba_cp import reference as ref  # noqa: E402
-from numba_cp.arrays import device_copy, host_copy  # noqa: E402
-from numba_cp.errors import RankAgreementError  # noqa: E402
-from numba_cp.exchange import CandidateExchange, ExchangeConfig  # noqa: E402
-from numba_cp.workload import Workload, decode_workload  # noqa: E402
+import numba_cp
+from numba_cp import reference as ref
+from numba_cp.arrays import device_copy, host_copy
+from numba_cp.errors import RankAgreementError
+from numba_cp.exchange import CandidateExchange, ExchangeConfig
+from numba_cp.workload import Workload, decode_workload
 
-SIM = numba_cp.backend.is_simulator
+SIM = numba_cp.backend.TARGET.simulator
 DEFAULTS = (dict(heads=2, batch=8, context="16K", topk=16, iters=3, warmup=1) if SIM else
             dict(heads=4, batch=64, context="128K", topk=16, iters=50, warmup=5))
 STAGES = ("pack", "all_gather", "merge", "total")
@@ -237,15 +236,14 @@ def plot(results, path, world):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("median time per step (us)")
-    ax.set_title(f"CP candidate exchange, world={world}, {numba_cp.backend.NAME}")
+    ax.set_title(f"CP candidate exchange, world={world}, {numba_cp.backend.TARGET.name}")
     ax.legend()
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(args) -> int:
     comm = MPI.COMM_WORLD
     world, rank = comm.Get_size(), comm.Get_rank()
     device = bind_local_device(comm)
@@ -275,7 +273,7 @@ def main(argv=None) -> int:
     exact = all(r["exact"] for r in results)
     if rank == 0:
         if args.json:
-            payload = dict(world=world, backend=numba_cp.backend.NAME,
+            payload = dict(world=world, backend=numba_cp.backend.TARGET.name,
                            transport=results[0]["transport"], exact=exact,
                            iters=args.iters, warmup=args.warmup, date=time.strftime("%Y-%m-%d"),
                            stages=results[-1]["stages"], runs=results)
@@ -289,10 +287,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # Every rank parses the same command line, so argparse's exit is every rank's.
+    arguments = parse_args()
     try:
-        status = main()
-    except SystemExit:
-        raise
+        status = main(arguments)
     except RankAgreementError as exc:
         # Raised the same on every rank (mismatched configuration): each rank
         # says so and exits; nobody is left waiting, so no abort is needed.
@@ -301,7 +299,8 @@ if __name__ == "__main__":
         sys.exit(2)
     except BaseException:
         # One failing rank must end the whole job, never leave the others waiting
-        # in a collective: print, then abort the communicator.
+        # in a collective: print, then abort the communicator. That holds for
+        # SystemExit and KeyboardInterrupt too: past parsing, only this rank has them.
         traceback.print_exc()
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(2)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU run of issue 7: one rank per GPU, every transport, eager and graph-replayed,
+# The multi-GPU scaling run: one rank per GPU, every transport, eager and graph-replayed,
 # for the benchmark cases of BENCHMARKS.md, then the scaling sweeps, then the tables.
 #
 #   bash launch/scaling.sh [OUT_DIR]           on a node with 2, 4 or 8 GPUs
@@ -22,7 +22,7 @@ STEP_TIMEOUT=${STEP_TIMEOUT:-300}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
 
-case_args() {  # the cases of BENCHMARKS.md (issue 4); DRY=1 shrinks them for the simulator
+case_args() {  # the cases of BENCHMARKS.md; DRY=1 shrinks them for the simulator
   local args
   case $1 in
     a) args="--context 32K --topk 16 --batch 64" ;;

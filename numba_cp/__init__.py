@@ -3,7 +3,7 @@
 Each of ``world`` ranks scores a round-robin shard of the KV blocks, keeps a
 per-head top-k of packed int64 keys (:func:`local_topk_keys`), all-gathers
 them, and merges them into the exact global top-k (:func:`merge_topk_keys`),
-optionally writing the paged sparse block table. ``shared/SPEC.md`` is the
+optionally writing the paged sparse block table. ``docs/SPEC.md`` is the
 contract; :mod:`numba_cp.reference` is its NumPy oracle.
 
 Importing this package selects the kernel target (see :mod:`numba_cp.backend`).

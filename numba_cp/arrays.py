@@ -12,10 +12,11 @@ import sys
 
 import numpy as np
 
-from .backend import NAME, cuda, is_simulator
+from ._numba import simulated_device_view
+from .backend import TARGET, cuda
 
-__all__ = ["KernelArray", "as_kernel_array", "resolve_stream", "with_leading_axis", "device_copy",
-           "host_copy"]
+__all__ = ["KernelArray", "as_kernel_array", "with_leading_axis", "device_view", "byte_range",
+           "resolve_stream", "stream_handle", "synchronize", "device_copy", "host_copy"]
 
 
 class KernelArray:
@@ -36,10 +37,17 @@ class KernelArray:
 
 
 class _InterfaceView:
-    """A bare ``__cuda_array_interface__`` holder (used to re-shape a view)."""
+    """A bare ``__cuda_array_interface__`` holder: how a raw address becomes an array."""
 
     def __init__(self, interface):
         self.__cuda_array_interface__ = interface
+
+
+def device_view(pointer: int, count: int, dtype):
+    """A Numba device array of ``count`` ``dtype`` at device address ``pointer`` (no owner)."""
+    interface = {"shape": (int(count),), "typestr": np.dtype(dtype).str,
+                 "data": (int(pointer), False), "strides": None, "stream": None, "version": 3}
+    return cuda.as_cuda_array(_InterfaceView(interface), sync=False)
 
 
 def _from_dlpack(obj, name):
@@ -47,19 +55,19 @@ def _from_dlpack(obj, name):
         import cupy
     except ImportError:
         raise TypeError(f"{name}: DLPack arrays need CuPy installed to be viewed on the "
-                        f"{NAME} backend; pass an array with __cuda_array_interface__") from None
+                        f"{TARGET.name} backend; pass an array with __cuda_array_interface__") from None
     try:
         return cupy.from_dlpack(obj)
     except Exception as exc:  # a DLPack capsule on the wrong device, say
-        raise TypeError(f"{name}: cannot view this DLPack array on the {NAME} device "
+        raise TypeError(f"{name}: cannot view this DLPack array on the {TARGET.name} device "
                         f"({exc})") from None
 
 
 def as_kernel_array(obj, name: str) -> KernelArray:
     """Validate that ``obj`` lives where the backend's kernels can read it; wrap it."""
-    if is_simulator:
+    if TARGET.simulator:
         if isinstance(obj, np.ndarray):
-            return KernelArray(_simulated_device_view(obj), obj.dtype, obj.shape, obj.strides,
+            return KernelArray(simulated_device_view(obj), obj.dtype, obj.shape, obj.strides,
                                name)
         if getattr(obj, "__cuda_ndarray__", False):  # the simulator's own device array
             return KernelArray(obj, obj.dtype, obj.shape, obj.strides, name)
@@ -68,7 +76,7 @@ def as_kernel_array(obj, name: str) -> KernelArray:
                             "CPU simulator, which takes host NumPy arrays")
         raise TypeError(f"{name}: expected a NumPy array, got {type(obj).__name__}")
     if isinstance(obj, np.ndarray):
-        raise TypeError(f"{name}: a host NumPy array was given but the {NAME} backend takes "
+        raise TypeError(f"{name}: a host NumPy array was given but the {TARGET.name} backend takes "
                         "device arrays (CuPy, PyTorch CUDA, anything with "
                         "__cuda_array_interface__)")
     if not hasattr(obj, "__cuda_array_interface__"):
@@ -80,22 +88,11 @@ def as_kernel_array(obj, name: str) -> KernelArray:
                        device_array.strides, name)
 
 
-def _simulated_device_view(host: np.ndarray):
-    """The simulator's device array over ``host`` itself: no copy, any strides.
-
-    Handing the simulator a bare NumPy array makes it copy the array in and out
-    around every launch, and it refuses non-contiguous views.
-    """
-    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-    return FakeCUDAArray(host)
-
-
 def with_leading_axis(array: KernelArray) -> KernelArray:
     """``array`` viewed as shape ``(1, *shape)`` without copying."""
-    if is_simulator:
-        view = array.arg._ary[np.newaxis]
-        return KernelArray(_simulated_device_view(view), view.dtype, view.shape, view.strides,
+    if TARGET.simulator:
+        view = np.asarray(array.arg)[np.newaxis]
+        return KernelArray(simulated_device_view(view), view.dtype, view.shape, view.strides,
                            array.name)
     interface = dict(array.arg.__cuda_array_interface__)
     strides = interface.get("strides") or _contiguous_strides(array.shape, array.dtype.itemsize)
@@ -114,6 +111,24 @@ def _contiguous_strides(shape, itemsize):
     return tuple(reversed(strides))
 
 
+def byte_range(array, name: str) -> tuple[int, int]:
+    """``(address, nbytes)`` of a C-contiguous array: NumPy, the simulator's device
+    arrays (host memory), Numba device arrays, or anything with
+    ``__cuda_array_interface__``. Raises ValueError naming ``name`` otherwise."""
+    simulated = TARGET.simulator and getattr(array, "__cuda_ndarray__", False)
+    if isinstance(array, np.ndarray) or simulated:
+        host = np.asarray(array)
+        if not host.flags.c_contiguous:
+            raise ValueError(f"{name}: must be C-contiguous")
+        return host.__array_interface__["data"][0], host.nbytes
+    if hasattr(array, "is_c_contiguous"):  # a Numba device array
+        if not array.is_c_contiguous():
+            raise ValueError(f"{name}: must be C-contiguous")
+        return int(array.device_ctypes_pointer.value or 0), int(array.nbytes)
+    view = as_kernel_array(array, name)
+    return byte_range(view.arg, name)
+
+
 _EXTERNAL_STREAMS: dict = {}
 
 
@@ -121,9 +136,10 @@ def resolve_stream(stream):
     """The stream kernels launch on: ``stream`` if given, else CuPy's current one.
 
     Accepts a Numba stream, a CuPy stream, a PyTorch stream (anything with a
-    ``ptr``/``cuda_stream`` handle) or a raw integer handle.
+    ``ptr``/``cuda_stream`` handle) or a raw integer handle. The simulator has
+    one stream, ``0``.
     """
-    if is_simulator:
+    if TARGET.simulator:
         return 0
     if stream is None:
         cupy = sys.modules.get("cupy")
@@ -147,6 +163,21 @@ def resolve_stream(stream):
                     f"got {type(stream).__name__}")
 
 
+def stream_handle(stream) -> int:
+    """The raw CUDA/HIP handle of :func:`resolve_stream`'s stream (0 under the simulator)."""
+    resolved = resolve_stream(stream)
+    if TARGET.simulator:
+        return 0
+    handle = resolved.handle
+    return int(getattr(handle, "value", handle) or 0)
+
+
+def synchronize(stream):
+    """Wait for a :func:`resolve_stream` stream (simulated kernels are done on return)."""
+    if not TARGET.simulator:
+        stream.synchronize()
+
+
 def device_copy(host: np.ndarray, *, simulated_device: bool = False):
     """A copy of ``host`` where the active backend's kernels read it.
 
@@ -154,7 +185,7 @@ def device_copy(host: np.ndarray, *, simulated_device: bool = False):
     simulator, or with ``simulated_device`` the simulator's device array (what
     device transports take there).
     """
-    if is_simulator:
+    if TARGET.simulator:
         return cuda.to_device(host) if simulated_device else np.array(host, copy=True)
     import cupy
 

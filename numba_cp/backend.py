@@ -14,8 +14,11 @@ Targets:
 ``NUMBA_CP_BACKEND=hip|cuda|sim`` forces a target; otherwise the first of
 hip (ROCm device node and numba-hip present), cuda (an NVIDIA driver with at
 least one device) and sim wins. ``NUMBA_CP_COMPILE_ONLY=1`` with a GPU target
-loads it without a device, for ahead-of-time compile checks only. Every other module gets ``cuda`` from here
-and asks :data:`NAME` instead of probing the machine again.
+loads it without a device, for ahead-of-time compile checks only.
+
+Every other module gets ``cuda`` from here and asks :data:`TARGET` for what
+differs between targets (warp width, default launch sizes) instead of probing
+the machine or branching on the name again.
 """
 
 from __future__ import annotations
@@ -24,8 +27,12 @@ import ctypes
 import importlib.util
 import os
 import sys
+from dataclasses import dataclass
 
-__all__ = ["NAME", "cuda", "is_simulator", "describe", "BackendError"]
+from ._numba import lock_simulated_shared_arrays
+
+__all__ = ["TARGET", "Target", "NAME", "cuda", "is_simulator", "describe", "BackendError",
+           "COMPILE_ONLY"]
 
 CHOICES = ("hip", "cuda", "sim")
 ENV_VAR = "NUMBA_CP_BACKEND"
@@ -97,7 +104,7 @@ def _load(name: str):
         sys.setswitchinterval(min(sys.getswitchinterval(), 5e-5))
         from numba import cuda
 
-        _lock_simulated_shared_arrays()
+        lock_simulated_shared_arrays()
         return cuda
     if name == "hip":
         try:
@@ -147,46 +154,58 @@ def _hip_import_failure(exc: BaseException) -> str:
     return f"ROCm toolchain not found: {reason} ({cause})"
 
 
-def _lock_simulated_shared_arrays():
-    """Make the simulator's ``cuda.shared.array`` allocate under a lock.
+def _simulated_lanes() -> int:
+    """Lanes per simulated warp: NUMBA_CP_SIM_LANES (a power of two, 2 to 64), default 8.
 
-    It keys a block's shared arrays by source line with an unlocked
-    check-then-insert, so two threads reaching the line together can each get a
-    private array: thread 0's writes then vanish for the others, and kernels
-    read garbage now and then. Same logic as the simulator's, plus the lock.
+    32 and 64 run CUDA's and CDNA's warp layouts on the CPU; 8 keeps the tests quick
+    while every cross-lane stage of the warp kernels still runs.
     """
-    import threading
-    import traceback
+    text = os.environ.get("NUMBA_CP_SIM_LANES", "8")
+    try:
+        lanes = int(text)
+    except ValueError:
+        lanes = 0
+    if not (2 <= lanes <= 64 and lanes & (lanes - 1) == 0):
+        raise ValueError(f"NUMBA_CP_SIM_LANES must be a power of two from 2 to 64, got {text!r}")
+    return lanes
 
-    import numpy as np
-    from numba.cuda.simulator import kernelapi
 
-    types, numpy_support = kernelapi.types, kernelapi.numpy_support  # the simulator's own
+@dataclass(frozen=True)
+class Target:
+    """What differs between the targets, for every module to ask.
 
-    original = kernelapi.FakeCUDAShared.array
-    if getattr(original, "_numba_cp_locked", False):
-        return
-    lock = threading.Lock()
+    The simulator runs each GPU thread as a Python thread, so its launch sizes
+    are small: they keep the tests quick while still running every code path
+    (chunked rows, the cross-warp tree, the radix passes).
+    """
 
-    def array(self, shape, dtype, alignment=None):
-        if alignment is not None or shape == 0:
-            return original(self, shape, dtype, alignment)
-        if isinstance(dtype, types.Type):
-            dtype = numpy_support.as_dtype(dtype)
-        caller = tuple(traceback.extract_stack(sys._getframe(1), limit=1)[-1][0:2])
-        with lock:
-            allocated = self._allocations.get(caller)
-            if allocated is None:
-                allocated = self._allocations[caller] = np.empty(shape, dtype)
-        return allocated
+    name: str  # "hip", "cuda" or "sim"
+    lanes: int  # threads of a warp (an AMD wavefront)
+    threads: int  # threads per block of the radix kernels
+    row_warps: int  # the most warps the warp kernels give one row
+    sort_tile: int  # the least keys a radix row sorts (see ops.default_sort_limit)
+    ipc_threads: int  # threads per block of the IPC kernels
+    ipc_push_blocks: int  # blocks per peer of the IPC push
+    ipc_copy_blocks: int  # small: a spinning grid must not fill the GPU
 
-    array._numba_cp_locked = True
-    kernelapi.FakeCUDAShared.array = array
+    @property
+    def simulator(self) -> bool:
+        return self.name == "sim"
+
+
+def _target(name: str) -> Target:
+    if name == "sim":
+        return Target(name, _simulated_lanes(), threads=8, row_warps=2, sort_tile=64,
+                      ipc_threads=8, ipc_push_blocks=2, ipc_copy_blocks=2)
+    # 8 warps per row beat 16 and 32 in the H200 launch sweep (BENCHMARKS.md).
+    return Target(name, 64 if name == "hip" else 32, threads=128, row_warps=8, sort_tile=64,
+                  ipc_threads=256, ipc_push_blocks=8, ipc_copy_blocks=16)
 
 
 NAME: str = _choose()
 cuda = _load(NAME)
-is_simulator: bool = NAME == "sim"
+TARGET: Target = _target(NAME)
+is_simulator: bool = TARGET.simulator
 
 
 def describe() -> str:

@@ -31,7 +31,6 @@ Exit status 1 if any kernel misses the strongest level the toolchain reaches.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import shutil
@@ -40,13 +39,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 
 from numba import types
 
-from .backend import NAME, cuda
+from . import _numba
+from .backend import TARGET, cuda
+from .kernels.params import INTEGER, WORD, Array
 
-A = "A"  # any layout: the wrappers pass strided views
 CAPACITIES = (16, 2048)  # the smallest sort tile the tests use and the envelope's largest
 # (run, slots, warps) of the warp kernels: one-warp rows with in-lane and
 # cross-lane stages, and multi-warp rows (chunk loop + shared-memory tree).
@@ -54,94 +53,57 @@ CAPACITIES = (16, 2048)  # the smallest sort tile the tests use and the envelope
 WARP_SHAPES = ((16, 2, 1), (128, 4, 8))
 
 
-def _array(dtype, ndim):
-    return types.Array(dtype, ndim, A)
+def signature(kernel, integer=types.int32, word=types.uint64):
+    """The Numba signature of ``kernel`` from its declared parameters.
+
+    ``integer`` and ``word`` specialise the :data:`~numba_cp.kernels.params.INTEGER`
+    and :data:`~numba_cp.kernels.params.WORD` placeholders.
+    """
+    chosen = {INTEGER: integer, WORD: word}
+    args = []
+    for param in _numba.kernel_py_func(kernel).params:
+        if isinstance(param, Array):
+            dtype = chosen.get(param.dtype) or getattr(types, param.dtype)
+            args.append(types.Array(dtype, param.ndim, param.layout))
+        else:
+            args.append(types.int64)
+    return types.void(*args)
 
 
 def specialisations():
     """``(label, python function, signature)`` for every kernel the wrappers can launch."""
-    from .kernels.topk import (merge_sparse_table_kernel, merge_sparse_table_warp_kernel,
-                               merge_topk_kernel, merge_topk_warp_kernel, shard_topk_kernel,
-                               shard_topk_warp_kernel)
+    from .kernels import ipc, radix, warp
 
-    i64 = types.int64
-    seq_lens = _array(types.int32, 1)
-    merge_args = (_array(i64, 4), seq_lens, _array(types.int32, 3), i64, i64, i64)
-    table_args = (_array(types.int32, 2), i64, _array(types.int32, 3), _array(types.int32, 2))
-    for shape in WARP_SHAPES:
-        name = "run={},slots={},warps={}".format(*shape)
-        yield (f"shard_topk_keys_warp[{name}]", shard_topk_warp_kernel(*shape).py_func,
-               (_array(types.float32, 3), seq_lens, _array(i64, 3)) + (i64,) * 7)
-        yield (f"merge_topk_ids_warp[{name}]", merge_topk_warp_kernel(*shape).py_func,
-               merge_args)
-        yield (f"merge_topk_ids_and_table_warp[{name}]",
-               merge_sparse_table_warp_kernel(*shape).py_func, merge_args + table_args)
-    for capacity in CAPACITIES:
-        for seq in (types.int32, types.int64):
-            seq_lens = _array(seq, 1)
-            yield (f"shard_topk_keys[cap={capacity},seq_lens={seq}]",
-                   shard_topk_kernel(capacity).py_func,
-                   (_array(types.float32, 3), seq_lens, _array(i64, 3)) + (i64,) * 7)
-            merge_args = (_array(i64, 4), seq_lens, _array(types.int32, 3), i64, i64, i64)
-            yield (f"merge_topk_ids[cap={capacity},seq_lens={seq}]",
-                   merge_topk_kernel(capacity).py_func, merge_args)
-            yield (f"merge_topk_ids_and_table[cap={capacity},seq_lens={seq}]",
-                   merge_sparse_table_kernel(capacity).py_func,
-                   merge_args + (_array(types.int32, 2), i64, _array(types.int32, 3),
-                                 _array(types.int32, 2)))
-    yield from ipc_specialisations()
-
-
-def ipc_specialisations():
-    """The IPC all-gather's kernels (:mod:`numba_cp.kernels.ipc`), per payload word size."""
-    from .kernels import ipc
-
-    i64 = types.int64
-    flags = types.Array(i64, 1, "C")  # what IPCEngine passes: 1-D C-contiguous views
-    yield "ipc_bump[ctrl=int64]", ipc.ipc_bump_kernel.py_func, (flags,)
-    for unit in (types.uint64, types.uint8):
-        words = types.Array(unit, 1, "C")
-        yield (f"ipc_push[unit={unit}]", ipc.ipc_push_kernel.py_func,
-               (flags, words) + (i64,) * 5 + (words,) * ipc.GROUP + (flags,) * ipc.GROUP)
-        yield (f"ipc_wait_copy[unit={unit}]", ipc.ipc_wait_copy_kernel.py_func,
-               (flags, flags, words, words) + (i64,) * 4)
-
-
-@contextlib.contextmanager
-def _stand_in_device(dispatcher, **attributes):
-    """While inside, ``dispatcher.get_current_device()`` answers a device with ``attributes``."""
-    real = dispatcher.get_current_device
-    dispatcher.get_current_device = lambda: SimpleNamespace(**attributes)
-    try:
-        yield
-    finally:
-        dispatcher.get_current_device = real
-
-
-@contextlib.contextmanager
-def _target_device(cc):
-    """Let device functions compile for ``cc`` with no GPU present.
-
-    numba-cuda compiles a kernel's device functions for the *current* device's
-    compute capability; with no device, supply the target's instead.
-    """
-    from numba.cuda import dispatcher
-
-    with _stand_in_device(dispatcher, compute_capability=cc):
-        yield
+    families = [(warp, "run={},slots={},warps={}".format(*shape), shape, (types.int32,))
+                for shape in WARP_SHAPES]
+    families += [(radix, f"cap={capacity}", (capacity,), (types.int32, types.int64))
+                 for capacity in CAPACITIES]
+    for family, shape_label, shape, integers in families:
+        for integer in integers:
+            label = shape_label if len(integers) == 1 else f"{shape_label},seq_lens={integer}"
+            for factory in (family.pack_kernel, family.merge_kernel, family.merge_table_kernel):
+                kernel = factory(*shape)
+                name = _numba.kernel_py_func(kernel).__name__
+                yield f"{name}[{label}]", kernel.py_func, signature(kernel, integer)
+    for kernel in (ipc.ipc_bump_kernel, ipc.ipc_push_kernel, ipc.ipc_wait_copy_kernel):
+        name = _numba.kernel_py_func(kernel).__name__.replace("_kernel", "")
+        words = (types.uint64, types.uint8) if kernel is not ipc.ipc_bump_kernel else (None,)
+        for word in words:
+            label = f"{name}[unit={word}]" if word is not None else f"{name}[ctrl=int64]"
+            yield label, kernel.py_func, signature(kernel, word=word)
 
 
 def compile_all(cc=(9, 0)):
     """Yield ``(label, ok, seconds, detail)`` per specialisation."""
-    with _target_device(cc):
+    with _numba.stand_in_device("cuda", compute_capability=cc):
         yield from _compile_each(cc)
 
 
 def _compile_each(cc):
-    for label, pyfunc, signature in specialisations():
+    for label, pyfunc, sig in specialisations():
         start = time.perf_counter()
         try:
-            ptx, _ = cuda.compile_ptx(pyfunc, types.void(*signature), cc=cc)
+            ptx, _ = cuda.compile_ptx(pyfunc, sig, cc=cc)
         except Exception as exc:  # report every kernel, not just the first failure
             yield label, False, time.perf_counter() - start, f"{type(exc).__name__}: {exc}"
         else:
@@ -172,17 +134,9 @@ _CODE_OBJECT_VERSION = {2: "v4", 3: "v5", 4: "v6"}
 LEVELS = ("IR", "code object")
 
 
-@contextlib.contextmanager
 def _target_arch(arch):
-    """Let device functions compile for ``arch`` with no GPU present.
-
-    numba-hip's dispatcher compiles a kernel's device functions for the
-    *current* device's arch; with no device, supply the target's instead.
-    """
-    from numba.hip import dispatcher
-
-    with _stand_in_device(dispatcher, amdgpu_arch=arch):
-        yield
+    """Let device functions compile for ``arch`` with no GPU present."""
+    return _numba.stand_in_device("hip", amdgpu_arch=arch)
 
 
 def _find_lld(explicit=None):
@@ -242,7 +196,6 @@ class _CodeObjectBuilder:
         import ctypes
 
         from numba.hip import amdgcn
-        from numba.hip.util import llvmutils
         from rocm.bindings.llvm.c.core import LLVMContextCreate, LLVMContextDispose
         from rocm.bindings.llvm.c.targetmachine import (
             LLVMCodeGenFileType,
@@ -254,11 +207,11 @@ class _CodeObjectBuilder:
         machine = amdgcn.AMDGPUTargetMachine(arch)
         context = LLVMContextCreate()
         try:
-            (module,) = llvmutils._get_module_in_context(context, llvm_ir)
+            module = _numba.llvm_module_in_context(context, llvm_ir)
             machine.optimize_module(module, passes="default<O3>")  # verifies the module first
             error = ctypes.c_char_p()
             failed = LLVMTargetMachineEmitToFile(
-                machine._target_machine, module, relocatable.encode(),
+                _numba.target_machine_handle(machine), module, relocatable.encode(),
                 LLVMCodeGenFileType.LLVMObjectFile, ctypes.addressof(error))
             if failed:
                 raise RuntimeError(f"LLVM AMDGPU codegen failed: {(error.value or b'').decode()}")
@@ -284,18 +237,18 @@ def compile_all_hip(archs=("gfx90a", "gfx942"), lld=None, keep=None):
     try:
         for arch in archs:
             with _target_arch(arch):
-                for label, pyfunc, signature in specialisations():
-                    yield (label, arch) + _compile_one_hip(label, pyfunc, signature, arch,
+                for label, pyfunc, sig in specialisations():
+                    yield (label, arch) + _compile_one_hip(label, pyfunc, sig, arch,
                                                             builder, keep)
     finally:
         if keep is None:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _compile_one_hip(label, pyfunc, signature, arch, builder, keep):
+def _compile_one_hip(label, pyfunc, sig, arch, builder, keep):
     start = time.perf_counter()
     try:
-        llvm_ir, _ = cuda.compile_ptx(pyfunc, types.void(*signature), cc=arch)
+        llvm_ir, _ = cuda.compile_ptx(pyfunc, sig, cc=arch)
         cpu = arch.split(":")[0]  # gfx90a:xnack- targets cpu gfx90a
         if "amdgpu_kernel" not in llvm_ir or f'"target-cpu"="{cpu}"' not in llvm_ir:
             raise ValueError(f"the LLVM IR has no amdgpu_kernel for target-cpu {cpu}")
@@ -359,14 +312,11 @@ def _hip_versions(lld):
 
 def _comgr_probe(arch):
     """numba-hip's own code-object path (comgr) on one kernel, for the record."""
-    from numba.hip.util import comgrutils, llvmutils
-
-    label, pyfunc, signature = next(iter(specialisations()))
+    label, pyfunc, sig = next(iter(specialisations()))
     with _target_arch(arch):
-        llvm_ir, _ = cuda.compile_ptx(pyfunc, types.void(*signature), cc=arch)
+        llvm_ir, _ = cuda.compile_ptx(pyfunc, sig, cc=arch)
     try:
-        comgrutils.compile_bc(llvmutils.to_bc(llvm_ir), isa_name=f"amdgcn-amd-amdhsa--{arch}",
-                              logging=True)
+        _numba.comgr_compile(llvm_ir, arch)
     except Exception as exc:
         lines = [line.strip() for line in str(exc).splitlines()]
         reason = next((line for line in lines if line.startswith("error:")), _first_line(exc))
@@ -375,9 +325,9 @@ def _comgr_probe(arch):
 
 
 def main_hip(args) -> int:
-    if NAME != "hip":
+    if TARGET.name != "hip":
         print(f"compile_check --target hip needs NUMBA_CP_BACKEND=hip (with "
-              f"NUMBA_CP_COMPILE_ONLY=1 on a machine with no GPU); the active backend is {NAME}",
+              f"NUMBA_CP_COMPILE_ONLY=1 on a machine with no GPU); the active backend is {TARGET.name}",
               file=sys.stderr)
         return 2
     archs = tuple(a.strip() for a in args.arch.split(",") if a.strip())
@@ -418,9 +368,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.target == "hip":
         return main_hip(args)
-    if NAME != "cuda":
+    if TARGET.name != "cuda":
         print(f"compile_check needs NUMBA_CP_BACKEND=cuda (with NUMBA_CP_COMPILE_ONLY=1 on a "
-              f"machine with no GPU); the active backend is {NAME}", file=sys.stderr)
+              f"machine with no GPU); the active backend is {TARGET.name}", file=sys.stderr)
         return 2
     cc = tuple(int(part) for part in args.cc.split("."))
     failures = 0

@@ -1,4 +1,4 @@
-"""Numbers fixed by SPEC.md (shared/SPEC.md); everything else derives from them."""
+"""Numbers fixed by the contract (docs/SPEC.md); everything else derives from them."""
 
 import numpy as np
 
@@ -12,5 +12,5 @@ LOCAL_SCORE = np.float32(1e29)  # pinned score of a local block; overrides INIT_
 MAX_GLOBAL_BLOCKS = 65535  # global_blocks must be below this: g + 1 fits in 16 bits
 KEY_VALID_BIT = 1 << 48
 
-# Envelope the kernels are built and tested for (issue 2).
+# The largest topk the kernels are built and tested for.
 MAX_TOPK = 2048

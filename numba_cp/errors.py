@@ -7,3 +7,7 @@ class RankAgreementError(ValueError):
     Since no rank is left waiting in a collective, a driver may let each rank
     report it and exit normally instead of aborting the job.
     """
+
+
+class IPCTimeoutError(RuntimeError):
+    """An IPC all-gather gave up waiting for a peer; what it gathered since is garbage."""

@@ -12,9 +12,10 @@ either all heads or the contiguous slice it owns (as a tensor-parallel model
 shards index heads; replicated when ``heads < world``).
 
 Construction is collective: one small ``allgather`` checks that every rank
-passed the same configuration and raises the same ``ValueError`` on every rank
-(naming the differing field) instead of hanging in, or merging garbage from, a
-mismatched all-gather.
+passed the same configuration and raises the same
+:class:`~numba_cp.errors.RankAgreementError` on every rank (naming the
+differing field) instead of hanging in, or merging garbage from, a mismatched
+all-gather; then the transport is set up once, for ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arrays import device_copy
-from .backend import is_simulator
+from .backend import TARGET
+from .comm import agree, choose_transport, takes_device_arrays
 from .constants import MAX_GLOBAL_BLOCKS, MAX_TOPK, PAGES
-from .errors import RankAgreementError
 from .ops import local_topk_keys, merge_topk_keys
-from .transport import choose_transport, takes_device_arrays
 
 __all__ = ["ExchangeConfig", "CandidateExchange", "CapturedExchange", "owned_heads",
            "record_graph"]
@@ -94,31 +94,13 @@ def owned_heads(heads: int, world: int, rank: int) -> range:
     return range(head, head + 1)
 
 
-def _agree(comm, config: ExchangeConfig, problems: list[str]) -> None:
-    """Raise the same ValueError on every rank unless every rank agrees."""
-    everyone = comm.allgather((dataclasses.astuple(config), problems))
-    bad = [(rank, p) for rank, (_, ps) in enumerate(everyone) for p in ps]
-    if bad:
-        raise RankAgreementError("CandidateExchange: " + "; ".join(
-            f"rank {r}: {p}" for r, p in bad))
-    names = [f.name for f in dataclasses.fields(ExchangeConfig)]
-    for i, name in enumerate(names):
-        values = {}
-        for rank, (fields, _) in enumerate(everyone):
-            values.setdefault(fields[i], []).append(rank)
-        if len(values) > 1:
-            detail = "; ".join(f"{value!r} on rank(s) {','.join(map(str, ranks))}"
-                               for value, ranks in values.items())
-            raise RankAgreementError(f"CandidateExchange: ranks disagree on {name}: {detail}")
-
-
 class CandidateExchange:
     """pack -> all-gather -> merge (-> sparse block table) with persistent buffers.
 
     Args:
         comm: an mpi4py communicator of exactly ``config.world`` ranks.
         config: the :class:`ExchangeConfig`, identical on every rank.
-        transport: a transport name to force (see :mod:`numba_cp.transport`);
+        transport: a transport name to force (see :mod:`numba_cp.comm`);
             default: the best one for this machine.
         method, threads, sort_limit: kernel choice and launch tuning, passed
             through to :func:`~numba_cp.local_topk_keys` and the merge.
@@ -130,7 +112,8 @@ class CandidateExchange:
         if comm.Get_size() != config.world:
             problems.append(f"world is {config.world} but the communicator has "
                             f"{comm.Get_size()} ranks")
-        _agree(comm, config, problems)
+        agree(comm, "CandidateExchange", problem="; ".join(problems) or None,
+              values=dataclasses.asdict(config))
         self.comm = comm
         self.config = config
         self.rank = comm.Get_rank()
@@ -141,10 +124,10 @@ class CandidateExchange:
         per_shard, merged = c.shard_keys, len(self.heads)
         # Under the simulator, a device transport (forced, to exercise it on a CPU)
         # is handed the simulator's device arrays.
-        self._transport_choice = transport
-        self._device_payload = not is_simulator or bool(takes_device_arrays(transport))
+        self._device_payload = not TARGET.simulator or bool(takes_device_arrays(transport))
         self.transport = choose_transport(comm, device=self._device_payload, force=transport)
-        self._transports = {}  # tokens -> transport set up for that payload
+        if c.world > 1:  # one transport, sized for max_tokens, serves every token count
+            self.transport.setup((c.heads, c.max_tokens, per_shard), np.int64)
         # Flat storage: the first `tokens` rows of every buffer form one contiguous
         # [heads, tokens, ...] block, so calls with fewer tokens keep SPEC's layout.
         place = self._place
@@ -186,18 +169,6 @@ class CandidateExchange:
             views = self._views[tokens] = (send, recv, keys_to_merge, idx, sbt, ctx)
         return views
 
-    def _transport_for(self, tokens: int):
-        """Transports are set up per payload size; the first is the plan's own."""
-        transport = self._transports.get(tokens)
-        if transport is None:
-            c = self.config
-            transport = (self.transport if not self._transports else
-                         choose_transport(self.comm, device=self._device_payload,
-                                          force=self._transport_choice))
-            transport.setup((c.heads, tokens, c.shard_keys), np.int64)
-            self._transports[tokens] = transport
-        return transport
-
     # -- stages -----------------------------------------------------------------
 
     def pack(self, scores, seq_lens, *, stream=None):
@@ -219,7 +190,7 @@ class CandidateExchange:
         send, recv = self._views_for(tokens)[:2]
         if self.config.world == 1:
             return recv  # send is recv[0]
-        return self._transport_for(tokens).all_gather(send, recv, stream=stream)
+        return self.transport.all_gather(send, recv, stream=stream)
 
     def merge(self, seq_lens, tokens: int, *, attention_block_table=None, stream=None):
         """Gathered keys -> ``topk_idx`` of this rank's heads (and the sparse table)."""
@@ -257,18 +228,15 @@ class CandidateExchange:
         Synchronises with the device: call it outside the hot path, e.g.
         before trusting results.
         """
-        for transport in self._transports.values():
-            if hasattr(transport, "check"):
-                transport.check()
+        if hasattr(self.transport, "check") and self.transport.is_setup:
+            self.transport.check()
 
     def close(self):
         """Tear the transports down; captured exchanges of this plan stop replaying."""
         for captured in self._captured:
             captured.invalidate()
         self._captured.clear()
-        for transport in self._transports.values():
-            transport.teardown()
-        self._transports.clear()
+        self.transport.teardown()
         self._views.clear()
 
     def __enter__(self):
@@ -303,13 +271,10 @@ class CandidateExchange:
         """
         tokens = scores.shape[1]
         self._views_for(tokens)
-        if stream is None and not is_simulator:
+        if stream is None and not TARGET.simulator:
             import cupy  # graphs are captured on a stream of their own
 
             stream = cupy.cuda.Stream(non_blocking=True)
-        if tokens and self.config.world > 1:
-            self._transport_for(tokens)  # set up outside the capture (it is collective)
-
         def pack(s):
             self.pack(scores, seq_lens, stream=s)
 
@@ -337,7 +302,7 @@ def record_graph(work, stream):
     The eager run compiles kernels and does any lazy setup outside the capture.
     Under the simulator there are no graphs: ``replay`` is ``work`` itself.
     """
-    if is_simulator:
+    if TARGET.simulator:
         return work
     work(stream)
     stream.synchronize()

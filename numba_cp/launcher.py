@@ -6,13 +6,18 @@ dtype, shape and strides plus every scalar argument) and builds a
 arrays' data pointers are read. Nothing a cached launch skips could differ
 between two calls with one signature, so validation is not given up.
 
+A launch reads the kernel's parameter declaration
+(:mod:`numba_cp.kernels.params`): the wrapper hands its arrays in the kernel's
+order, and the scalars, fixed per signature, follow.
+
 On numba-cuda the cached launch also bypasses Numba's per-call dispatch
 (argument typing and marshalling): the parameter block of the compiled
 specialisation is built once, with a slot for each array's pointer, and handed
 to ``cuLaunchKernel`` (``cuda.core.launch`` if the binding refuses it). That
-path reads a few numba-cuda internals; if any is missing (another numba-cuda
-version) it falls back, once and for good, to the portable path that every
-target uses: Numba's own dispatch.
+path reads a few numba-cuda internals (:mod:`numba_cp._numba`); if any is
+missing it warns once and falls back, for that launch, to the portable path
+that every target uses: Numba's own dispatch. :attr:`KernelLaunch.direct`
+says which path a launch takes.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from functools import lru_cache
 
 import numpy as np
 
+from . import _numba
 from .arrays import as_kernel_array, resolve_stream, with_leading_axis
-from .backend import NAME, is_simulator
+from .backend import TARGET
+from .kernels.params import Array
 
 __all__ = ["array_signature", "call_signature", "context_token", "KernelLaunch", "LaunchCache"]
 
@@ -35,7 +42,7 @@ def array_signature(obj):
     None means "not cacheable" (the wrapper then validates on every call). The
     pointer (None under the simulator) saves reading the interface twice.
     """
-    if is_simulator:
+    if TARGET.simulator:
         if isinstance(obj, np.ndarray):
             return (obj.dtype.str, obj.shape, obj.strides), None
         return None
@@ -63,7 +70,7 @@ def _cupy_ndarray():
 
 def context_token():
     """Identifies the current GPU context: compiled kernels belong to one context."""
-    if NAME != "cuda":
+    if TARGET.name != "cuda":
         return 0
     from cuda.bindings import driver
 
@@ -116,36 +123,47 @@ class LaunchCache(dict):
 
 
 class KernelLaunch:
-    """One validated launch: kernel, grid, block, scalars; arrays supplied per call.
+    """One validated launch: kernel, grid, block and scalars; arrays supplied per call.
 
-    ``arrays`` is a list of ``(name, leading_axis)``: the wrapper's array
-    arguments in kernel order, ``leading_axis`` marking a 2-D table viewed as
-    ``[1, ...]``. ``scalars`` follow the arrays' positions given by ``order``.
+    Per call, ``objects`` are the wrapper's arrays in the kernel's declared
+    order (the first ones: a kernel may take fewer than the wrapper has); an
+    array with one dimension fewer than declared (the one-head 2-D table
+    layout) is viewed as ``[1, ...]``. ``scalars`` are the kernel's scalar
+    parameters in declared order.
     """
 
-    def __init__(self, kernel, grid, block, arrays, scalars, order):
+    def __init__(self, kernel, grid, block, scalars):
         self.kernel = kernel
         self.grid = grid
         self.block = block
-        self.arrays = arrays
-        self.scalars = scalars
-        self.order = order  # kernel argument order: ("a", i) array i, ("s", j) scalar j
+        self.params = _numba.kernel_py_func(kernel).params
+        self.arrays = [p for p in self.params if isinstance(p, Array)]
+        self.scalars = list(scalars)
+        if len(self.scalars) != len(self.params) - len(self.arrays):
+            raise TypeError(f"{len(self.scalars)} scalars for the parameters {self.params}")
         self._direct = None  # the numba-cuda fast path, built after the first launch
-        self._direct_failed = NAME != "cuda"
+        self._direct_failed = TARGET.name != "cuda"
+
+    @property
+    def direct(self) -> bool:
+        """Whether calls go straight to ``cuLaunchKernel`` (numba-cuda, after the first)."""
+        return self._direct is not None
 
     def _kernel_args(self, objects):
-        views = []
-        for obj, (name, leading) in zip(objects, self.arrays):
-            view = as_kernel_array(obj, name)
-            views.append(with_leading_axis(view) if leading else view)
-        return [views[i].arg if kind == "a" else self.scalars[i] for kind, i in self.order]
+        views = {}
+        for obj, param in zip(objects, self.arrays):
+            view = as_kernel_array(obj, param.name)
+            views[param.name] = view if view.ndim == param.ndim else with_leading_axis(view)
+        scalars = iter(self.scalars)
+        return [views[p.name].arg if isinstance(p, Array) else next(scalars)
+                for p in self.params]
 
     def __call__(self, objects, stream=None, pointers=None):
         """Launch on ``objects``; ``pointers`` (from :func:`array_signature`) may be given."""
         if self._direct is not None:
             return self._direct(objects, stream, pointers)
         args = self._kernel_args(objects)
-        if is_simulator:
+        if TARGET.simulator:
             self.kernel[self.grid, self.block](*args)
             return None
         stream = resolve_stream(stream)
@@ -153,8 +171,9 @@ class KernelLaunch:
         if not self._direct_failed:
             try:
                 self._direct = _DirectLaunch(self, args)
-            except Exception:  # an internal moved: keep Numba's dispatch for good
+            except Exception as exc:  # an internal moved: keep Numba's dispatch
                 self._direct_failed = True
+                _numba.warn_fallback(exc)
         return None
 
 
@@ -175,22 +194,17 @@ class _DirectLaunch:
 
         from cuda.bindings import driver
 
-        dispatcher = launch.kernel
-        argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
-        compiled = dispatcher.overloads[argtypes]
-        if compiled.cooperative or compiled.debug or compiled.extensions:
-            raise RuntimeError("not a plain kernel")
-        cufunc = compiled._codelibrary.get_cufunc()
-        self.cu_kernel = cufunc.kernel
+        self.function, self.cu_kernel = _numba.compiled_function(launch.kernel, args)
         self.driver = driver
-        self.function = cufunc.handle  # a CUfunction or a CUkernel: both launch
         values, self.pointer_slots = [], []  # (index in values, which array)
-        for (kind, i), value in zip(launch.order, args):
-            if kind == "s":
+        array_index = 0
+        for param, value in zip(launch.params, args):
+            if not isinstance(param, Array):
                 values.append(_scalar(value))
                 continue
-            self.pointer_slots.append((len(values) + 4, i))
-            values.extend(_array_fields(value))
+            self.pointer_slots.append((len(values) + _numba.FLATTENED_DATA_FIELD, array_index))
+            array_index += 1
+            values.extend(_numba.flattened_array_fields(value))
         self.values = (ctypes.c_int64 * len(values))(*values)
         base = ctypes.addressof(self.values)
         self.params = (ctypes.c_void_p * len(values))(*[base + 8 * k for k in range(len(values))])
@@ -217,25 +231,10 @@ class _DirectLaunch:
                     if status != self.driver.CUresult.CUDA_SUCCESS:
                         raise RuntimeError(f"cuLaunchKernel failed: {status!r}")
                     return
-            self._core_launch(stream)
-
-    def _core_launch(self, stream):
-        from cuda.core import LaunchConfig, launch
-        from numba.cuda._compat import CUDA_CORE_GE_1_0
-
-        options = dict(grid=self.dims[:3], block=self.dims[3:], shmem_size=0)
-        options["is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch"] = False
-        launch(stream, LaunchConfig(**options), self.cu_kernel, *[int(v) for v in self.values])
+            _numba.launch_with_cuda_core(stream, self.dims, self.cu_kernel, self.values)
 
 
 def _scalar(value):
     if isinstance(value, (bool, np.bool_)):
         raise TypeError("boolean kernel scalars are not used here")
     return int(value)
-
-
-def _array_fields(device_array):
-    """Numba's flattened array argument: meminfo, parent, size, itemsize, data, shape, strides."""
-    itemsize = device_array.dtype.itemsize
-    return [0, 0, device_array.size, itemsize, device_array.device_ctypes_pointer.value or 0,
-            *device_array.shape, *device_array.strides]

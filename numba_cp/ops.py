@@ -9,104 +9,93 @@ argument signature (dtypes, shapes, strides, scalars); see :mod:`.launcher`.
 from __future__ import annotations
 
 from . import validate
-from .arrays import as_kernel_array, with_leading_axis
-from .backend import is_simulator
+from .arrays import as_kernel_array
+from .backend import TARGET
 from .constants import MAX_GLOBAL_BLOCKS, MAX_TOPK, PAGES
-from .kernels.primitives import WARP_LANES
-from .kernels.topk import (merge_sparse_table_kernel, merge_sparse_table_warp_kernel,
-                           merge_topk_kernel, merge_topk_warp_kernel, shard_topk_kernel,
-                           shard_topk_warp_kernel)
+from .kernels import radix, warp
 from .launcher import KernelLaunch, LaunchCache
 
-__all__ = ["local_topk_keys", "merge_topk_keys", "METHODS", "DEFAULT_THREADS",
-           "DEFAULT_SORT_LIMIT"]
+__all__ = ["local_topk_keys", "merge_topk_keys", "METHODS", "choose_method"]
 
-# "warp": warps sort in registers (numba_cp.kernels.warp_select), for topk up to
-# WARP_LANES * MAX_LANE_SLOTS; "radix": block-wide radix select + shared-memory
-# sort (numba_cp.kernels.select), for any topk; "auto": warp where it fits.
+# "warp": warps sort in registers (numba_cp.kernels.warp), for topk up to
+# lanes * MAX_LANE_SLOTS; "radix": block-wide radix select + shared-memory sort
+# (numba_cp.kernels.radix), for any topk; "auto": choose_method.
 METHODS = ("auto", "warp", "radix")
 MAX_LANE_SLOTS = 16  # keys per lane per pass: 3 register arrays of this many int64
-# Defaults of the warp method: keys per lane per pass (more when a run needs
-# them), and the most warps per row. In the H200 launch sweeps (BENCHMARKS.md)
-# 2 keys per lane was the best or within 0.1 us of it in every case, and 8 warps
-# beat 16 and 32. The simulator caps rows at two warps, so that the tests run
-# both chunked rows and the cross-warp tree.
+# Keys per lane per pass of the warp kernels (more when a run needs them). In
+# the H200 launch sweep (BENCHMARKS.md, "Launch shapes") 2 was the best or
+# within 0.2 us of it in every pack and merge case but one (g's merge: 1 key
+# per lane, 0.5 us faster).
 WARP_SLOTS = 2
-WARP_MAX_WARPS = 2 if is_simulator else 8
-
-# The simulator runs every GPU thread as a Python thread: small blocks keep it quick.
-DEFAULT_THREADS = 8 if is_simulator else 128
-# The most keys a row sorts (never fewer than topk): rows with more candidates
-# are radix-selected until the survivors fit, then sorted. A tile above topk
-# saves radix passes; a smaller one saves sort stages. On the H200 a tile of
-# max(64, 2 * topk) was the best or within a few percent of it for every case of
-# the benchmark's launch sweep (BENCHMARKS.md); the simulator keeps 64 so
-# that the tests take both paths.
-DEFAULT_SORT_LIMIT = 64
-
-
-# A merge row of up to this many candidates was fastest sorted outright.
+# A radix merge row of up to this many candidates is sorted outright.
 MERGE_SORT_ALL = 256
-
-
-def default_sort_limit(topk: int, candidates: int, merge: bool) -> int:
-    if is_simulator:
-        return DEFAULT_SORT_LIMIT
-    if merge and candidates <= MERGE_SORT_ALL:
-        return MERGE_SORT_ALL
-    return max(DEFAULT_SORT_LIMIT, 2 * topk)
-
-
-_SHARD_LAUNCHES = LaunchCache()
-_MERGE_LAUNCHES = LaunchCache()
-
-
-class _NoWork:
-    """The launch for an empty grid (no heads or no tokens)."""
-
-    def __call__(self, objects, stream=None, pointers=None):
-        return None
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _method(method, topk):
+def choose_method(method, topk):
+    """The kernel family for ``method`` and ``topk``: ``"warp"`` or ``"radix"``.
+
+    ``"auto"`` takes the warp kernels wherever ``topk`` fits (a sorted run of
+    ``next_pow2(topk)`` keys in one warp's registers): in the H200 launch sweep
+    (BENCHMARKS.md, "Launch shapes") they were 3-5.5x faster than the radix
+    kernels in every case (topk 16 to 128). The radix kernels serve larger
+    ``topk``.
+    """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
-    fits = _next_pow2(topk) <= WARP_LANES * MAX_LANE_SLOTS
+    fits = _next_pow2(topk) <= TARGET.lanes * MAX_LANE_SLOTS
     if method == "warp" and not fits:
-        raise ValueError(f"method='warp' handles topk <= {WARP_LANES * MAX_LANE_SLOTS} on this "
-                         f"target, got topk={topk}; use method='radix' or 'auto'")
+        raise ValueError(f"method='warp' handles topk <= {TARGET.lanes * MAX_LANE_SLOTS} on "
+                         f"this target, got topk={topk}; use method='radix' or 'auto'")
     if method != "auto":
         return method
     return "warp" if fits else "radix"
 
 
+def default_sort_limit(topk: int, candidates: int, merge: bool) -> int:
+    """The radix kernels' sort tile: the most keys a row sorts.
+
+    Rows with more candidates are radix-selected until the survivors fit. A
+    tile above topk saves radix passes, a smaller one saves sort stages. On a
+    GPU max(64, 2 * topk), and for merge rows of up to 256 candidates all of
+    them; the simulator keeps its small fixed tile so that the tests take both
+    paths.
+    """
+    if TARGET.simulator:
+        return TARGET.sort_tile
+    if merge and candidates <= MERGE_SORT_ALL:
+        return MERGE_SORT_ALL
+    return max(TARGET.sort_tile, 2 * topk)
+
+
 def _warp_shape(topk: int, candidates: int, threads, sort_limit):
     """``(run, slots, warps)``: the sorted run, keys per lane per pass, warps per row."""
+    lanes = TARGET.lanes
     run = _next_pow2(topk)
-    least = max(1, run // WARP_LANES)  # a run must fit in one warp
+    least = max(1, run // lanes)  # a run must fit in one warp
     if sort_limit is None:
-        slots = max(least, min(WARP_SLOTS, _next_pow2(-(-candidates // WARP_LANES))))
+        slots = max(least, min(WARP_SLOTS, _next_pow2(-(-candidates // lanes))))
     else:
         sort_limit = validate.integer("sort_limit", sort_limit, low=1,
-                                      high=WARP_LANES * MAX_LANE_SLOTS + 1)
-        slots = max(least, _next_pow2(-(-sort_limit // WARP_LANES)))
+                                      high=lanes * MAX_LANE_SLOTS + 1)
+        slots = max(least, _next_pow2(-(-sort_limit // lanes)))
     if threads is None:
-        warps = min(WARP_MAX_WARPS, _next_pow2(-(-candidates // (WARP_LANES * slots))))
+        warps = min(TARGET.row_warps, _next_pow2(-(-candidates // (lanes * slots))))
     else:
         threads = validate.integer("threads", threads, low=1, high=1025)
-        warps = threads // WARP_LANES
-        if threads % WARP_LANES or warps & (warps - 1):
+        warps = threads // lanes
+        if threads % lanes or warps & (warps - 1):
             raise ValueError(f"threads must be a power-of-two number of whole warps "
-                             f"({WARP_LANES} lanes each) for method='warp', got {threads}")
+                             f"({lanes} lanes each) for method='warp', got {threads}")
     return run, slots, warps
 
 
-def _launch_shape(topk: int, candidates: int, threads, sort_limit, merge=False):
-    threads = DEFAULT_THREADS if threads is None else validate.integer(
+def _radix_shape(topk: int, candidates: int, threads, sort_limit, merge=False):
+    """``(threads, capacity)``: threads per row and the shared sort tile (a power of two)."""
+    threads = TARGET.threads if threads is None else validate.integer(
         "threads", threads, low=1, high=1025)
     if sort_limit is None:
         sort_limit = default_sort_limit(topk, candidates, merge)
@@ -114,6 +103,19 @@ def _launch_shape(topk: int, candidates: int, threads, sort_limit, merge=False):
         sort_limit = validate.integer("sort_limit", sort_limit, low=1, high=MAX_TOPK + 1)
     capacity = _next_pow2(max(topk, min(candidates, sort_limit)))
     return threads, capacity
+
+
+class _NoWork:
+    """The launch for an empty grid (no heads or no tokens)."""
+
+    direct = False
+
+    def __call__(self, objects, stream=None, pointers=None):
+        return None
+
+
+_PACK_LAUNCHES = LaunchCache()
+_MERGE_LAUNCHES = LaunchCache()
 
 
 def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_blocks,
@@ -152,7 +154,7 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
     arrays = (scores, seq_lens, out)
     scalars = (topk, rank, world, query_len, global_blocks, init_blocks, local_blocks, method,
                threads, sort_limit)
-    launch, pointers = _SHARD_LAUNCHES.launch_for(arrays, scalars, _plan_local_topk)
+    launch, pointers = _PACK_LAUNCHES.launch_for(arrays, scalars, _plan_local_topk)
     launch(arrays, stream, pointers)
     return out
 
@@ -183,19 +185,16 @@ def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_b
                           "local columns: ceil(global_blocks / world)")
 
     candidates = -(-global_blocks // world)
-    if _method(method, topk) == "warp":
+    if choose_method(method, topk) == "warp":
         run, slots, warps = _warp_shape(topk, candidates, threads, sort_limit)
-        kernel, threads = shard_topk_warp_kernel(run, slots, warps), warps * WARP_LANES
+        kernel, threads = warp.pack_kernel(run, slots, warps), warps * TARGET.lanes
     else:
-        threads, capacity = _launch_shape(topk, candidates, threads, sort_limit)
-        kernel = shard_topk_kernel(capacity)
+        threads, capacity = _radix_shape(topk, candidates, threads, sort_limit)
+        kernel = radix.pack_kernel(capacity)
     if not (heads and tokens):
         return _NoWork()
-    return KernelLaunch(
-        kernel, (tokens, heads), threads,
-        arrays=[("scores", False), ("seq_lens", False), ("out", False)],
-        scalars=[topk, rank, world, query_len, global_blocks, init_blocks, local_blocks],
-        order=[("a", 0), ("a", 1), ("a", 2)] + [("s", j) for j in range(7)])
+    return KernelLaunch(kernel, (tokens, heads), threads,
+                        [topk, rank, world, query_len, global_blocks, init_blocks, local_blocks])
 
 
 def _table_arrays(heads, tokens, topk, requests, attention_block_table,
@@ -226,20 +225,21 @@ def _table_arrays(heads, tokens, topk, requests, attention_block_table,
         raise ValueError(f"sparse_context_lens_out must be {sbt.ndim - 1}-D to match the "
                          f"{sbt.ndim}-D sparse_block_table_out, got shape {ctx.shape}")
     two_d = sbt.ndim == 2
-    if two_d:
-        if heads != 1:
-            raise ValueError(f"sparse_block_table_out: the 2-D layout [tokens, topk * {PAGES}] "
-                             f"holds one head, but there are {heads}; pass the per-head layout "
-                             f"[heads, tokens, topk * {PAGES}]")
-        sbt = with_leading_axis(sbt)
-    validate.dim(sbt, 0, heads, "heads")
-    validate.dim(sbt, 1, tokens, "tokens")
-    validate.dim_at_least(sbt, 2, topk * PAGES, f"topk * {PAGES} pages")
-    if ctx.ndim == 1:
-        ctx = with_leading_axis(ctx)
-    validate.dim(ctx, 0, heads, "heads")
-    validate.dim(ctx, 1, tokens, "tokens")
-    return page_stride, two_d
+    if two_d and heads != 1:
+        raise ValueError(f"sparse_block_table_out: the 2-D layout [tokens, topk * {PAGES}] "
+                         f"holds one head, but there are {heads}; pass the per-head layout "
+                         f"[heads, tokens, topk * {PAGES}]")
+    leading = (1,) if two_d else ()  # the one-head layout is launched as [1, ...]
+    sbt_shape, ctx_shape = leading + sbt.shape, leading + ctx.shape
+    if sbt_shape[:2] != (heads, tokens) or sbt_shape[2] < topk * PAGES:
+        raise ValueError(f"sparse_block_table_out.shape must be [heads={heads}, "
+                         f"tokens={tokens}, >= topk * {PAGES} = {topk * PAGES}] (or without "
+                         f"heads when there is one), got {sbt.shape}")
+    if ctx_shape != (heads, tokens):
+        raise ValueError(f"sparse_context_lens_out.shape must be [heads={heads}, "
+                         f"tokens={tokens}] (or [tokens] when there is one head), "
+                         f"got {ctx.shape}")
+    return page_stride
 
 
 def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_blocks,
@@ -303,26 +303,19 @@ def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride,
     tables = _table_arrays(heads, tokens, topk, requests, attention_block_table,
                            sparse_block_table_out, sparse_context_lens_out, block_page_stride)
 
-    if _method(method, topk) == "warp":
-        shape = _warp_shape(topk, world * per_shard, threads, sort_limit)
-        threads = shape[2] * WARP_LANES
-        ids_kernel, table_kernel = merge_topk_warp_kernel, merge_sparse_table_warp_kernel
+    candidates = world * per_shard
+    if choose_method(method, topk) == "warp":
+        family, shape = warp, _warp_shape(topk, candidates, threads, sort_limit)
+        threads = shape[2] * TARGET.lanes
     else:
-        threads, capacity = _launch_shape(topk, world * per_shard, threads, sort_limit,
-                                          merge=True)
-        shape = (capacity,)
-        ids_kernel, table_kernel = merge_topk_kernel, merge_sparse_table_kernel
+        threads, capacity = _radix_shape(topk, candidates, threads, sort_limit, merge=True)
+        family, shape = radix, (capacity,)
+        if tables is not None:  # the table writer needs one whole warp
+            threads = max(threads, radix.TABLE_THREADS)
     if not (heads and tokens):
         return _NoWork()
-    order = [("a", 0), ("a", 2), ("a", 1), ("s", 0), ("s", 1), ("s", 2)]
-    names = [("keys", False), ("topk_idx", False), ("seq_lens", False)]
     scalars = [query_len, init_blocks, local_blocks]
     if tables is None:
-        return KernelLaunch(ids_kernel(*shape), (tokens, heads), threads,
-                            arrays=names, scalars=scalars, order=order)
-    page_stride, two_d = tables
-    names += [("attention_block_table", False), ("sparse_block_table_out", two_d),
-              ("sparse_context_lens_out", two_d)]
-    return KernelLaunch(table_kernel(*shape), (tokens, heads), threads,
-                        arrays=names, scalars=scalars + [page_stride],
-                        order=order + [("a", 3), ("s", 3), ("a", 4), ("a", 5)])
+        return KernelLaunch(family.merge_kernel(*shape), (tokens, heads), threads, scalars)
+    return KernelLaunch(family.merge_table_kernel(*shape), (tokens, heads), threads,
+                        scalars + [tables])

@@ -15,6 +15,30 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "numba_cp"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Skip ``gpu`` tests under the simulator; insist that mpiexec users say ``mpi``.
+
+    ``-m "not mpi"`` is only trustworthy if every test that launches ranks
+    carries the marker, so a test asking for the ``mpiexec`` fixture without it
+    is a collection error rather than a silent slow test.
+    """
+    from numba_cp.backend import TARGET
+
+    unmarked = [item.nodeid for item in items
+                if "mpiexec" in getattr(item, "fixturenames", ())
+                and item.get_closest_marker("mpi") is None]
+    if unmarked:
+        raise pytest.UsageError("tests that use the mpiexec fixture must be marked "
+                                "@pytest.mark.mpi: " + ", ".join(unmarked))
+    if not TARGET.simulator:
+        return
+    skip = pytest.mark.skip(reason="needs a GPU target (NUMBA_CP_BACKEND=cuda or hip); "
+                                   "the simulator is active")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def mpiexec():
     """The mpiexec command line multi-rank tests launch with (skips if there is none)."""

@@ -7,15 +7,15 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from numba_cp import backend
 from numba_cp.arrays import device_copy, host_copy
+from numba_cp.backend import TARGET
 from numba_cp.constants import SPARSE_BLOCK
 
 to_device = device_copy
 to_host = host_copy
 
 # Threads per block small enough for the simulator, but not one (races need >1).
-THREADS = 4 if backend.is_simulator else 128
+THREADS = 4 if TARGET.simulator else 128
 
 
 def launches():
@@ -25,12 +25,11 @@ def launches():
     passes; ``"radix"``: odd and small blocks, and tiny sort tiles that force
     the radix passes.
     """
-    from numba_cp.kernels.primitives import WARP_LANES
-
+    lanes = TARGET.lanes
     warp = st.fixed_dictionaries(dict(
         method=st.just("warp"),
-        threads=st.sampled_from([None, WARP_LANES, 2 * WARP_LANES, 4 * WARP_LANES]),
-        sort_limit=st.sampled_from([None, 1, 4 * WARP_LANES])))
+        threads=st.sampled_from([None, lanes, 2 * lanes, 4 * lanes]),
+        sort_limit=st.sampled_from([None, 1, 4 * lanes])))
     radix = st.fixed_dictionaries(dict(
         method=st.just("radix"), threads=st.sampled_from([1, 3, THREADS]),
         sort_limit=st.sampled_from([None, 1, 5])))

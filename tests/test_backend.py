@@ -23,6 +23,23 @@ def test_active_backend_is_reported():
 
     assert backend.NAME in ("sim", "cuda", "hip")
     assert backend.describe().startswith(backend.NAME)
+    assert backend.TARGET.name == backend.NAME
+    assert backend.TARGET.simulator is backend.is_simulator is (backend.NAME == "sim")
+
+
+def test_target_is_frozen_and_knows_its_warp_width():
+    import dataclasses
+
+    from numba_cp.backend import TARGET
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TARGET.lanes = 4
+    if TARGET.simulator:  # as wide as NUMBA_CP_SIM_LANES says (8 by default)
+        assert TARGET.lanes == int(os.environ.get("NUMBA_CP_SIM_LANES", "8"))
+    else:  # an NVIDIA warp, a CDNA wavefront
+        assert TARGET.lanes == {"cuda": 32, "hip": 64}[TARGET.name]
+    assert dataclasses.replace(TARGET, name="sim").simulator
+    assert not dataclasses.replace(TARGET, name="cuda").simulator
 
 
 def test_unknown_backend_name_is_rejected():

@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCH_FLAGS = {"gfx90a": "e_flags 0x53f", "gfx942": "e_flags 0x54c"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(os.environ.get("NUMBA_CP_HIP_CHECK") != "1",
                     reason="set NUMBA_CP_HIP_CHECK=1 to run tools/rocm_compile_check.sh (it "
@@ -44,6 +45,14 @@ def test_every_kernel_compiles_to_an_amdgpu_code_object():
             if "_warp[" in line.split(" ", 1)[0] and len(line.split()) > 2]
     assert len(warp) == 6 * len(ARCH_FLAGS), proc.stdout
     assert all(" code object  ok " in line and " 0 B scratch" in line for line in warp), \
+        proc.stdout
+    # the IPC all-gather's kernels: bump, and push and wait_copy in 8-byte words and bytes
+    ipc = [line for line in proc.stdout.splitlines()
+           if line.startswith("ipc_") and len(line.split()) > 2]
+    assert len(ipc) == 5 * len(ARCH_FLAGS), proc.stdout
+    assert all(" code object  ok " in line for line in ipc), proc.stdout
+    total = (12 + 6 + 5) * len(ARCH_FLAGS)
+    assert f"{total} of {total} kernel x arch compiles reached code object" in proc.stdout, \
         proc.stdout
 
 

@@ -39,6 +39,7 @@ def job(mpiexec, n, *args, env=None, tmp_path=None, mpmd=None):
     return run_mpiexec(command, env=environment, cwd=ROOT)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("n, extra", [
     (1, []),
     (2, ["--sparse-table", "--heads", "1", "--topk", "6"]),
@@ -57,6 +58,7 @@ def test_main_job_is_exact_for_each_world(mpiexec, tmp_path, n, extra):
     assert "EXACT" in output and "median us" in output
 
 
+@pytest.mark.mpi
 def test_staged_transport_path_is_exact(mpiexec, tmp_path):
     out = tmp_path / "staged.json"
     status, output = job(mpiexec, 3, *SMALL, "--sparse-table", "--heads", "1", "--json",
@@ -66,15 +68,17 @@ def test_staged_transport_path_is_exact(mpiexec, tmp_path):
     assert result["exact"] is True and result["transport"].startswith("staged")
 
 
+@pytest.mark.mpi
 def test_mismatched_configuration_fails_on_every_rank(mpiexec):
     status, output = job(mpiexec, 1, *SMALL, mpmd=[(2, [*SMALL[:-4], "--topk", "9",
                                                         "--iters", "1", "--warmup", "0"])])
     assert status != 0
     for rank in range(3):
         assert (f"rank {rank}: RankAgreementError: CandidateExchange: ranks disagree on topk: "
-                "8 on rank(s) 0; 9 on rank(s) 1,2") in output, output[-4000:]
+                "8 on rank(s) 0; 9 on rank(s) 1, 2") in output, output[-4000:]
 
 
+@pytest.mark.mpi
 def test_a_failing_rank_ends_the_job(mpiexec):
     """The other ranks would wait forever in the next collective: the job must abort.
 
@@ -88,6 +92,7 @@ def test_a_failing_rank_ends_the_job(mpiexec):
     assert time.monotonic() - start < 60, "the job did not end promptly"
 
 
+@pytest.mark.mpi
 def test_sweep_writes_every_context(mpiexec, tmp_path):
     out = tmp_path / "sweep.json"
     status, output = job(mpiexec, 2, *SMALL, "--sweep-context", "2K,4K", "--json", str(out))
@@ -123,6 +128,25 @@ def test_plan_on_one_rank_with_fewer_tokens_than_planned():
     want_sbt, want_ctx = ref.sparse_block_table(want, seq, table, query_len=2)
     np.testing.assert_array_equal(to_host(sbt), want_sbt)
     np.testing.assert_array_equal(to_host(ctx), want_ctx)
+
+
+def test_one_plan_serves_several_token_counts_with_one_transport():
+    """Buffers and transport are sized once, for max_tokens; each call uses its own rows."""
+    rng = np.random.default_rng(21)
+    config = small_config(max_tokens=6)
+    with CandidateExchange(MPI.COMM_SELF, config, method="warp") as plan:
+        transport = plan.transport
+        for tokens in (4, 0, 6, 2):
+            full = rng.standard_normal((3, tokens, 20)).astype(np.float32)
+            seq = rng.integers(1, 22 * 128, tokens // 2).astype(np.int32)
+            idx = plan(to_device(full), to_device(seq))
+            assert plan.transport is transport
+            want = ref.global_topk(full, seq, topk=5, query_len=2, global_blocks=20,
+                                   init_blocks=1, local_blocks=1)
+            assert to_host(idx).shape == (3, tokens, 5)
+            np.testing.assert_array_equal(to_host(idx), want)
+        with pytest.raises(ValueError, match=r"tokens .* in \[0, 6\], got 8"):
+            plan(to_device(np.zeros((3, 8, 20), np.float32)), to_device(np.ones(4, np.int32)))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -181,6 +205,7 @@ def test_captured_exchange_replays_new_inputs_in_place():
             np.testing.assert_array_equal(to_host(ctx), want_ctx)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_graph_replay_through_mpi_gather_is_exact(mpiexec, tmp_path, n):
     out = tmp_path / "graph.json"

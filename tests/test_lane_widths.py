@@ -12,12 +12,12 @@ import sys
 
 import pytest
 
-from numba_cp import backend
+from numba_cp.backend import TARGET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.skipif(not backend.is_simulator, reason="sets the simulator's warp width")
+@pytest.mark.skipif(not TARGET.simulator, reason="sets the simulator's warp width")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("lanes", [4, 32, 64])
 def test_exchange_is_exact_at_each_warp_width(lanes):
@@ -29,6 +29,23 @@ def test_exchange_is_exact_at_each_warp_width(lanes):
                           capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "exchange == unsharded top-k" in proc.stdout and "FAIL" not in proc.stdout
+
+
+@pytest.mark.parametrize("lanes", ["4", "64", None])
+def test_simulated_width_is_the_targets(lanes):
+    """NUMBA_CP_SIM_LANES sets TARGET.lanes (8 without it); the kernels' WARP_LANES follows."""
+    env = dict(os.environ, NUMBA_CP_BACKEND="sim")
+    env.pop("NUMBA_CP_SIM_LANES", None)
+    if lanes is not None:
+        env["NUMBA_CP_SIM_LANES"] = lanes
+    code = ("from numba_cp.backend import TARGET; from numba_cp.kernels.primitives import "
+            "WARP_LANES; from numba_cp.kernels.warp import LOG_LANES; "
+            "print(TARGET.lanes, WARP_LANES, LOG_LANES)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    width = int(lanes or 8)
+    assert proc.stdout.split() == [str(width), str(width), str(width.bit_length() - 1)]
 
 
 def test_bad_simulated_width_is_named():

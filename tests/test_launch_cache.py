@@ -1,15 +1,21 @@
 """Validated launches are cached per argument signature, and the cache never skips a check.
 
-On a GPU the second call of a signature takes the direct cuda.core launch; the
-results must not change.
+On numba-cuda the second call of a signature takes the direct ``cuLaunchKernel``
+path; the results must not change, and when an internal it reads is missing
+the launch falls back to Numba's dispatch with one warning.
 """
+
+import dataclasses
+import warnings
 
 import numpy as np
 import pytest
 
 import numba_cp
-from numba_cp import ops
+from numba_cp import _numba, launcher, ops
 from numba_cp import reference as ref
+from numba_cp.backend import TARGET
+from numba_cp.launcher import LaunchCache
 from support import to_device, to_host
 
 ARGS = dict(topk=4, rank=1, world=2, query_len=1, global_blocks=20, init_blocks=1,
@@ -80,3 +86,106 @@ def test_merge_with_2d_table_repeats_exactly():
         np.testing.assert_array_equal(to_host(idx), want_idx)
         np.testing.assert_array_equal(to_host(sbt), want_sbt[0])
         np.testing.assert_array_equal(to_host(ctx), want_ctx[0])
+
+
+def _merge_inputs(seed=9):
+    rng = np.random.default_rng(seed)
+    keys = np.stack([ref.local_topk_keys(
+        ref.shard_scores(rng.standard_normal((1, 4, 30)).astype(np.float32), rank=r, world=2,
+                         global_blocks=30), np.full(4, 30 * 128, np.int32), topk=6, rank=r,
+        world=2, query_len=1, global_blocks=30, init_blocks=1, local_blocks=1)
+        for r in range(2)])
+    return keys, np.array([30 * 128, 2000, 700, 128], np.int32)
+
+
+@pytest.fixture
+def fresh_caches(monkeypatch):
+    """Empty launch caches, so that the launches a test makes are the only ones there."""
+    monkeypatch.setattr(ops, "_PACK_LAUNCHES", LaunchCache())
+    monkeypatch.setattr(ops, "_MERGE_LAUNCHES", LaunchCache())
+
+
+def _counting(launch):
+    """Count the calls that go through ``launch``'s direct path."""
+    calls = []
+    direct = launch._direct
+
+    def counted(*args):
+        calls.append(args)
+        return direct(*args)
+
+    launch._direct = counted
+    return calls
+
+
+@pytest.mark.gpu
+def test_repeated_calls_take_the_direct_path(fresh_caches):
+    if TARGET.name != "cuda":
+        pytest.skip("the direct cuLaunchKernel path is numba-cuda's")
+    seq = to_device(np.array([20 * 128, 900, 5], np.int32))
+    keys, merge_seq = _merge_inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback would warn
+        out = to_device(np.zeros((2, 3, 4), np.int64))
+        numba_cp.local_topk_keys(to_device(shard(0)), seq, out=out, **ARGS)
+        pack, = ops._PACK_LAUNCHES.values()
+        assert pack.direct, "the first call builds the direct launch"
+        pack_calls = _counting(pack)
+        idx = to_device(np.zeros((1, 4, 6), np.int32))
+        numba_cp.merge_topk_keys(to_device(keys), idx, to_device(merge_seq), query_len=1,
+                                 init_blocks=1, local_blocks=1)
+        merge, = ops._MERGE_LAUNCHES.values()
+        assert merge.direct
+        merge_calls = _counting(merge)
+        for seed in (1, 2):
+            numba_cp.local_topk_keys(to_device(shard(seed)), seq, out=out, **ARGS)
+            np.testing.assert_array_equal(
+                to_host(out), ref.local_topk_keys(shard(seed), to_host(seq), **ARGS))
+            idx = to_device(np.full((1, 4, 6), 7, np.int32))
+            numba_cp.merge_topk_keys(to_device(keys), idx, to_device(merge_seq), query_len=1,
+                                     init_blocks=1, local_blocks=1)
+            np.testing.assert_array_equal(to_host(idx), ref.merge_topk_keys(
+                keys, merge_seq, topk=6, query_len=1, init_blocks=1, local_blocks=1))
+    assert len(pack_calls) == 2 and len(merge_calls) == 2
+    assert list(ops._PACK_LAUNCHES.values()) == [pack]
+    assert list(ops._MERGE_LAUNCHES.values()) == [merge]
+
+
+def test_direct_launch_fallback_warns_once_naming_the_attribute(monkeypatch, fresh_caches):
+    """A missing numba-cuda internal: every launch falls back to Numba's dispatch, exactly,
+    and the user hears about it once, with the attribute named."""
+    if TARGET.name == "hip":
+        pytest.skip("numba-hip launches through its own dispatch only")
+    missing = "'CUDADispatcher' object has no attribute '_codelibrary'"
+
+    def compiled_function(dispatcher, args):
+        raise AttributeError(missing)
+
+    monkeypatch.setattr(_numba, "compiled_function", compiled_function)
+    monkeypatch.setattr(_numba, "_WARNED", set())
+    if TARGET.simulator:
+        # The simulator never leaves Numba's dispatch: let the launches believe they run
+        # on numba-cuda, so that they try the direct path (their kernels still simulate).
+        monkeypatch.setattr(launcher, "TARGET", dataclasses.replace(TARGET, name="cuda"))
+    seq = np.array([20 * 128, 900, 5], np.int32)
+    keys, merge_seq = _merge_inputs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(3):
+            for heads in (2, 1):  # two signatures of the pack, each called three times
+                scores = shard(seed)[:heads]
+                out = to_device(np.zeros((heads, 3, 4), np.int64))
+                numba_cp.local_topk_keys(to_device(scores), to_device(seq), out=out, **ARGS)
+                np.testing.assert_array_equal(to_host(out),
+                                              ref.local_topk_keys(scores, seq, **ARGS))
+            idx = to_device(np.zeros((1, 4, 6), np.int32))
+            numba_cp.merge_topk_keys(to_device(keys), idx, to_device(merge_seq), query_len=1,
+                                     init_blocks=1, local_blocks=1)
+            np.testing.assert_array_equal(to_host(idx), ref.merge_topk_keys(
+                keys, merge_seq, topk=6, query_len=1, init_blocks=1, local_blocks=1))
+    fallbacks = [w for w in caught if "direct kernel launch is unavailable" in str(w.message)]
+    assert len(fallbacks) == 1, [str(w.message) for w in caught]
+    assert fallbacks[0].category is RuntimeWarning
+    assert f"AttributeError: {missing}" in str(fallbacks[0].message)
+    launches = [*ops._PACK_LAUNCHES.values(), *ops._MERGE_LAUNCHES.values()]
+    assert not any(launch.direct for launch in launches)

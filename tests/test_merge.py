@@ -98,6 +98,7 @@ def test_garbage_keys_match_oracle(case, seed, per_shard, launch):
     run_merge(keys, case, **launch)
 
 
+@pytest.mark.slow
 @settings(max_examples=40)
 @given(case=cases(max_heads=3), data=st.data())
 def test_sparse_block_table_matches_oracle(case, data):

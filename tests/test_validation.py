@@ -139,9 +139,9 @@ def test_reference_2d_layout_accepted_for_one_head():
 
 
 def test_wrong_kind_of_memory():
-    from numba_cp import backend
+    from numba_cp.backend import TARGET
 
-    if backend.is_simulator:
+    if TARGET.simulator:
         class FakeDevice:
             __cuda_array_interface__ = {"shape": (H, T, LOCAL), "typestr": "<f4",
                                         "data": (0, False), "version": 3}

@@ -1,4 +1,4 @@
-"""Device side of the IPC all-gather (:class:`numba_cp.transport.IPCAllGather`).
+"""Device side of the IPC all-gather (:class:`numba_cp.comm.ipc.IPCAllGather`).
 
 Every rank owns one *exchange buffer*, mapped into every peer's address space
 (CUDA/HIP IPC on a GPU; host shared memory under the simulator)::
@@ -46,7 +46,7 @@ every later call. Its next push first stores ``rank + 1`` into every peer's
 breaks the one-call-ahead bound and a later push may overwrite a half a slow
 peer still reads; peers that see poison stop waiting too, so no rank spins
 for long once one has given up. The host reads the error words with
-:meth:`~numba_cp.transport.IPCAllGather.check` (a host synchronisation, so
+:meth:`~numba_cp.comm.ipc.IPCAllGather.check` (a host synchronisation, so
 outside the hot path): data gathered from the failing call on is garbage.
 
 Calls of one transport must be ordered (one stream, or the caller orders
@@ -72,6 +72,7 @@ from __future__ import annotations
 from numba import int64
 
 from ..backend import cuda
+from .params import WORD, Array, declare, scalars
 from .primitives import ctrl_add, ctrl_cas, fence_system, flag_load, flag_store, spin_pause
 
 __all__ = [
@@ -88,6 +89,19 @@ ERR_PEER = 3  # 1 + the peer that call was still waiting for
 CTRL_WORDS = 8
 
 GROUP = 8  # peers one push launch serves (kernel arguments d0..d7, f0..f7)
+
+# Parameters: 1-D C-contiguous views (what IPCEngine passes); payloads move in
+# WORDs, 8-byte words when the buffers allow and bytes otherwise.
+_WORDS = Array("words", "int64", 1, "C")
+_CTRL = _WORDS._replace(name="ctrl")
+BUMP_PARAMS = (_CTRL,)
+PUSH_PARAMS = (_CTRL, Array("send", WORD, 1, "C"),
+               *scalars("count", "slot", "world", "rank", "npeers"),
+               *(Array(f"d{i}", WORD, 1, "C") for i in range(GROUP)),
+               *(_WORDS._replace(name=f"f{i}") for i in range(GROUP)))
+WAIT_COPY_PARAMS = (_CTRL, _WORDS._replace(name="flags"), Array("data", WORD, 1, "C"),
+                    Array("recv", WORD, 1, "C"),
+                    *scalars("count", "slot", "world", "spin_limit"))
 
 
 def slot_base(epoch, world, rank, slot):
@@ -107,6 +121,7 @@ _slot_base = cuda.jit(device=True, inline=True)(slot_base)
 
 
 @cuda.jit
+@declare(*BUMP_PARAMS)
 def ipc_bump_kernel(ctrl):
     """``ctrl[EPOCH] += 1``: the next call's epoch (one thread)."""
     if cuda.threadIdx.x == 0 and cuda.blockIdx.x == 0:
@@ -162,6 +177,7 @@ def _store_to(p, f0, f1, f2, f3, f4, f5, f6, f7, index, value):
 
 
 @cuda.jit
+@declare(*PUSH_PARAMS)
 def ipc_push_kernel(ctrl, send, count, slot, world, rank, npeers,
                     d0, d1, d2, d3, d4, d5, d6, d7, f0, f1, f2, f3, f4, f5, f6, f7):
     """Deliver ``send`` (``count`` elements) to ``npeers <= GROUP`` peers.
@@ -210,6 +226,7 @@ def _wait_all(ctrl, flags, world, e, spin_limit):
 
 
 @cuda.jit
+@declare(*WAIT_COPY_PARAMS)
 def ipc_wait_copy_kernel(ctrl, flags, data, recv, count, slot, world, spin_limit):
     """Wait for every peer's payload of this call, then ``data[e & 1] -> recv``."""
     tid = cuda.threadIdx.x

@@ -13,7 +13,6 @@ HIP. There the atomics below are small intrinsics that emit LLVM ``atomicrmw``
 on the element's address (relaxed ordering, as CUDA's ``atomicAdd`` is).
 """
 
-import os
 import threading
 import time
 
@@ -21,19 +20,16 @@ import numpy as np
 from llvmlite import ir
 from numba import int32, int64, types
 
-from ..backend import NAME, cuda
+from .. import _numba
+from ..backend import TARGET, cuda
 
-# Writing intrinsics differs by target only in where these two live.
-if NAME == "cuda":
-    from numba.cuda import cgutils
-    from numba.cuda.extending import intrinsic
-elif NAME == "hip":
-    from numba.core import cgutils
-    from numba.hip.extending import intrinsic
+NAME = TARGET.name
+if NAME != "sim":
+    intrinsic, cgutils = _numba.intrinsic_api(NAME)
 
-__all__ = ["inline_device", "float_bits", "shared_atomic_add", "atomic_add", "atomic_exch",
-           "WARP_LANES", "lane_exchange", "lane_value", "lane_read", "flag_load", "flag_store",
-           "fence_system", "spin_pause", "ctrl_add", "ctrl_cas"]
+__all__ = ["inline_device", "float_bits", "shared_atomic_add", "WARP_LANES", "lane_exchange",
+           "lane_value", "lane_read", "flag_load", "flag_store", "fence_system", "spin_pause",
+           "ctrl_add", "ctrl_cas"]
 
 
 def inline_device(fn):
@@ -74,46 +70,30 @@ elif NAME == "hip":
 
     _ATOMIC_DTYPES = (types.int32, types.uint32, types.int64, types.uint64)
 
-    def _atomic_rmw(op, shared):
-        """``array[index] op= value`` on a 1-D integer array; returns the old value.
+    @intrinsic
+    def shared_atomic_add(typingctx, array, index, value):
+        """``array[index] += value`` atomically on a shared (LDS) array; returns the old value.
 
-        ``shared``: the array is in LDS (``cuda.shared.array``), so the
-        element's generic address is cast to LDS and the atomic is a ``ds_*``
-        instruction; otherwise it stays a flat (system-scope) atomic.
+        The element's generic address is cast to LDS, so the atomic is a ``ds_add``.
         """
+        if not (isinstance(array, types.Array) and array.ndim == 1
+                and array.dtype in _ATOMIC_DTYPES and isinstance(index, types.Integer)
+                and isinstance(value, types.Integer)):
+            return None
 
-        @intrinsic
-        def atomic(typingctx, array, index, value):
-            if not (isinstance(array, types.Array) and array.ndim == 1
-                    and array.dtype in _ATOMIC_DTYPES and isinstance(index, types.Integer)
-                    and isinstance(value, types.Integer)):
-                return None
+        def codegen(context, builder, sig, args):
+            array_type, index_type, value_type = sig.args
+            array_value, index_value, value_value = args
+            view = context.make_array(array_type)(context, builder, array_value)
+            index_value = context.cast(builder, index_value, index_type, types.intp)
+            pointer = cgutils.get_item_pointer(context, builder, array_type, view,
+                                               [index_value], wraparound=False)
+            element = context.get_value_type(array_type.dtype)
+            pointer = builder.addrspacecast(pointer, ir.PointerType(element, ADDRSPACE_SHARED))
+            value_value = context.cast(builder, value_value, value_type, array_type.dtype)
+            return builder.atomic_rmw("add", pointer, value_value, "monotonic")
 
-            def codegen(context, builder, sig, args):
-                array_type, index_type, value_type = sig.args
-                array_value, index_value, value_value = args
-                view = context.make_array(array_type)(context, builder, array_value)
-                index_value = context.cast(builder, index_value, index_type, types.intp)
-                pointer = cgutils.get_item_pointer(context, builder, array_type, view,
-                                                   [index_value], wraparound=False)
-                if shared:
-                    element = context.get_value_type(array_type.dtype)
-                    pointer = builder.addrspacecast(pointer,
-                                                    ir.PointerType(element, ADDRSPACE_SHARED))
-                value_value = context.cast(builder, value_value, value_type, array_type.dtype)
-                return builder.atomic_rmw(op, pointer, value_value, "monotonic")
-
-            return array.dtype(array, index, value), codegen
-
-        return atomic
-
-    shared_atomic_add = _atomic_rmw("add", shared=True)
-    shared_atomic_add.__doc__ = ("``array[index] += value`` atomically on a shared "
-                                 "(LDS) array; returns the old value.")
-    atomic_add = _atomic_rmw("add", shared=False)
-    atomic_add.__doc__ = "``array[index] += value`` atomically; returns the old value."
-    atomic_exch = _atomic_rmw("xchg", shared=False)
-    atomic_exch.__doc__ = "``array[index] = value`` atomically; returns the old value."
+        return array.dtype(array, index, value), codegen
 
 else:  # pragma: no cover - backend.py admits only the names above
     raise ImportError(f"no primitives for backend {NAME!r}")
@@ -126,45 +106,21 @@ if NAME != "hip":
         """``array[index] += value`` atomically on a shared array; returns the old value."""
         return cuda.atomic.add(array, index, value)
 
-    @cuda.jit(device=True, inline=True)
-    def atomic_add(array, index, value):
-        """``array[index] += value`` atomically; returns the old value."""
-        return cuda.atomic.add(array, index, value)
-
-    @cuda.jit(device=True, inline=True)
-    def atomic_exch(array, index, value):
-        """``array[index] = value`` atomically; returns the old value."""
-        return cuda.atomic.exch(array, index, value)
-
 
 # ---------------------------------------------------------------------------
 # Lanes of a warp (a wavefront on AMD) trading registers: the warp-level top-k
-# (numba_cp.kernels.warp_select). Callers keep control flow warp-uniform, with
+# (numba_cp.kernels.warp). Callers keep control flow warp-uniform, with
 # ``lane = threadIdx.x % WARP_LANES`` (1-D blocks of whole warps), and only
 # ever read the partner ``lane ^ lane_mask``.
 #
 # The simulator has no shuffles; its warps are WARP_LANES consecutive Python
-# threads meeting at a per-warp barrier, and 8 lanes keep it quick while every
-# cross-lane stage of the algorithm still runs (NUMBA_CP_SIM_LANES picks others).
+# threads meeting at a per-warp barrier (TARGET.lanes: 8 by default,
+# NUMBA_CP_SIM_LANES picks others).
 
 
-def _simulated_lanes():
-    """Lanes per simulated warp: NUMBA_CP_SIM_LANES (a power of two, 2 to 64), default 8.
-
-    32 and 64 run CUDA's and CDNA's warp layouts on the CPU; 8 keeps the tests quick.
-    """
-    text = os.environ.get("NUMBA_CP_SIM_LANES", "8")
-    try:
-        lanes = int(text)
-    except ValueError:
-        lanes = 0
-    if not (2 <= lanes <= 64 and lanes & (lanes - 1) == 0):
-        raise ValueError(f"NUMBA_CP_SIM_LANES must be a power of two from 2 to 64, got {text!r}")
-    return lanes
-
+WARP_LANES = TARGET.lanes
 
 if NAME == "sim":
-    WARP_LANES = _simulated_lanes()
     SIM_WARP_TIMEOUT_S = 120.0  # a lane that never arrives is a bug: fail, don't hang
     _MAILBOX_LOCK = threading.Lock()
 
@@ -174,11 +130,9 @@ if NAME == "sim":
             self.barrier = threading.Barrier(WARP_LANES, timeout=SIM_WARP_TIMEOUT_S)
 
     def _mailbox():
-        thread = threading.current_thread()
-        warp = thread.thread_id // WARP_LANES
-        manager = thread._manager  # the simulator's BlockManager runs one block at a time
+        warp, block_state = _numba.simulated_warp_slot(WARP_LANES)
         with _MAILBOX_LOCK:
-            boxes = manager.__dict__.setdefault("_numba_cp_warps", {})
+            boxes = block_state.setdefault("_numba_cp_warps", {})
             box = boxes.get(warp)
             if box is None:
                 box = boxes[warp] = _WarpMailbox()
@@ -202,7 +156,6 @@ if NAME == "sim":
         return lane_read(value, lane, lane ^ lane_mask)
 
 elif NAME == "cuda":
-    WARP_LANES = 32
     FULL_MASK = 0xFFFFFFFF
 
     @cuda.jit(device=True, inline=True)
@@ -222,7 +175,6 @@ elif NAME == "hip":
     # wave64 on gfx90a/gfx942 (CDNA). HIP's __shfl_xor is ds_bpermute underneath;
     # calling the LLVM intrinsic directly needs no HIP header stub and no width
     # clamp (lane ^ lane_mask < 64 always).
-    WARP_LANES = 64
 
     @intrinsic
     def _ds_bpermute(typingctx, byte_address, value):

@@ -1,57 +1,56 @@
-"""Device-side all-gather on a real GPU: the IPC transport (and NCCL) checked end to end.
+"""Run under mpiexec by tests/comm/test_ipc_device.py: the device-side gathers end to end.
 
-    mpirun --allow-run-as-root --oversubscribe -n 2 python launch/ipc_check.py
-    mpirun --allow-run-as-root --oversubscribe -n 4 python launch/ipc_check.py
-
-Every rank may share one GPU (the processes then open each other's IPC handles
-on the same device) or have its own. Rank 0 prints one line per check, after
-every rank has reported on it::
+On a GPU target every rank may share one GPU (the processes then open each
+other's IPC handles on the same device) or have its own. Rank 0 prints one
+line per check, after every rank has reported on it::
 
     PASS  <check>  <detail>
     FAIL  <check>  rank(s) R: <what went wrong>; ...
     SKIP  <check>  <why>
 
-and a last ``ipc_check: N passed, M failed, K skipped`` line. Exit status: 0
-when nothing failed, 1 otherwise (2: the job itself broke).
+and a last ``ipc_device_check: N passed, M failed, K skipped`` line. Exit
+status: 0 when nothing failed, 1 otherwise (2: the job itself broke).
 
 Checks:
 
 ``choose``
     ``choose_transport(comm, device=True)`` picks ``ipc`` (every rank on one
-    node, CuPy IPC available); prints the reason. (Under the simulator: does
-    *not* pick it.)
-``eager <dtype> <shape>``
+    node, CuPy IPC available); under the simulator it must *not* pick it.
+``eager int64 keys``, ``eager float16``, ``eager uint8 odd bytes``, ``eager int64 tiny``
     ``IPCAllGather`` all-gathers rank-specific data exactly, several rounds
-    (both halves of the double buffer, twice), for int64 keys, float16, an
-    odd-sized uint8 payload (byte-wise path) and a tiny one.
+    (both halves of the double buffer, twice); the odd-sized uint8 payload
+    takes the byte-wise path.
+``eager fewer tokens``
+    set up for ``(heads, tokens, topk)``, gathers of fewer tokens (none too),
+    each into the front of a larger buffer whose tail must stay untouched.
 ``eager back-to-back``
     ``--calls`` all-gathers queued without any host synchronisation, the send
-    buffer rewritten in place on the stream before each and every result
-    copied aside on the stream: ranks drift apart on the device, which is
-    exactly what double buffering must survive. All verified at the end.
+    buffer rewritten in place on the stream before each and every verified
+    result copied aside on the stream: ranks drift apart on the device, which
+    double buffering must survive.
 ``graph replay``
-    one all-gather captured in a CUDA/HIP graph (CuPy stream capture), replayed
-    ``--replays`` times with the send buffer rewritten in place (on the
-    stream) before each replay; every ``--verify-every``-th result (and the
-    last) copied aside and verified; the device epoch must equal the number of
-    calls made. ``--skew-us`` makes the last rank pause now and then so the
-    others really wait.
+    one all-gather captured in a CUDA/HIP graph, replayed ``--replays`` times
+    with the send buffer rewritten in place before each replay; every
+    ``--verify-every``-th result (and the last) verified; the device epoch
+    must equal the number of calls made. ``--skew-us`` makes the last rank
+    pause now and then so the others really wait.
 ``timeout and poison``
     with a small spin limit only rank 0 calls: its wait must give up (no hang)
     and ``check()`` must say so; its next call poisons the peers, whose
     ``check()`` must report rank 0.
 ``exchange graph``
-    ``CandidateExchange(transport="ipc")`` on a decode workload: eager result
-    and a captured pack -> gather -> merge graph, replayed with the scores
-    switched in place between two workloads, equal the unsharded oracle.
+    ``CandidateExchange(transport="ipc")`` on a decode workload: an eager
+    call, an eager call with fewer tokens through the same transport, and a
+    captured pack -> gather -> merge graph replayed with the scores switched
+    in place between two workloads all equal the unsharded oracle.
 ``nccl self``
     (CuPy with NCCL only) ``NCCLAllGather`` on one-rank communicators (one per
     process, so ranks sharing a GPU are fine): setup, eager, capture, replays.
-    ``--nccl-world`` also runs it on the whole communicator (one GPU per rank).
+``nccl world`` (``--nccl-world``)
+    the same on the whole communicator (one GPU per rank).
 
-Under ``NUMBA_CP_BACKEND=sim`` the same script runs on the CPU (IPC emulated
-with host shared memory, "graphs" replayed eagerly, smaller defaults): the
-test suite runs it that way.
+Under the simulator the same checks run on the CPU (IPC on host shared
+memory, "graphs" replayed eagerly, smaller defaults).
 """
 
 from __future__ import annotations
@@ -63,18 +62,17 @@ import time
 import traceback
 
 import numpy as np
+from mpi4py import MPI
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numba_cp
+from numba_cp import reference as ref
+from numba_cp.arrays import device_copy, host_copy
+from numba_cp.backend import TARGET, cuda
+from numba_cp.comm import IPCAllGather, NCCLAllGather, choose_transport
+from numba_cp.comm.nccl import nccl_module
+from numba_cp.errors import IPCTimeoutError
 
-from mpi4py import MPI  # noqa: E402
-
-import numba_cp  # noqa: E402
-from numba_cp import reference as ref  # noqa: E402
-from numba_cp import transport as T  # noqa: E402
-from numba_cp.arrays import device_copy, host_copy  # noqa: E402
-from numba_cp.backend import cuda, is_simulator  # noqa: E402
-
-SIM = is_simulator
+SIM = TARGET.simulator
 
 
 # ---------------------------------------------------------------------------
@@ -93,9 +91,6 @@ class Device:
 
     def get(self, array):
         return host_copy(array)
-
-    def empty_like_host(self, host):
-        return self.put(np.zeros_like(host))
 
     def stream(self):
         return 0 if SIM else self.cp.cuda.Stream(non_blocking=True)
@@ -180,7 +175,7 @@ def bad_blocks(got, want):
 
 
 def check_choose(comm, args):
-    transport = T.choose_transport(comm, device=True)
+    transport = choose_transport(comm, device=True)
     # The simulator never picks IPC by itself (it is only emulated when forced).
     ok = (transport.name != "ipc") if SIM else (transport.name == "ipc")
     return ok, f"{transport.name}: {transport.reason}"
@@ -191,7 +186,7 @@ def check_eager(comm, args, shape, dtype, rounds=4):
     stream = DEV.stream()
     problems = []
     t0 = time.perf_counter()
-    with T.IPCAllGather(comm, spin_limit=args.spin_limit).setup(shape, dtype) as t:
+    with IPCAllGather(comm, spin_limit=args.spin_limit).setup(shape, dtype) as t:
         for round_ in range(rounds):
             send_host = payload(rank, round_, shape, dtype)
             send = DEV.put(send_host)
@@ -213,6 +208,36 @@ def check_eager(comm, args, shape, dtype, rounds=4):
     return not problems, "; ".join(problems) or f"{rounds} rounds, ~{elapsed:.0f} us/call"
 
 
+def check_fewer_tokens(comm, args):
+    rank, world = comm.Get_rank(), comm.Get_size()
+    heads, most, topk = args.heads, args.tokens, args.topk
+    stream = DEV.stream()
+    problems = []
+    counts = [most, max(most // 2, 1), 0, 1, most]
+    with IPCAllGather(comm, spin_limit=args.spin_limit).setup((heads, most, topk),
+                                                              np.int64) as t:
+        for round_, tokens in enumerate(counts):
+            shape = (heads, tokens, topk)
+            mine = payload(rank, round_, shape, np.int64)
+            send = DEV.put(np.concatenate([mine.reshape(-1), np.full(7, -1, np.int64)]))
+            recv_whole = DEV.put(np.full(world * mine.size + 9, 0x5A5A, np.int64))
+            recv = recv_whole[:world * mine.size].reshape((world,) + shape)
+            t.all_gather(send[:mine.size].reshape(shape), recv, stream=stream)
+            DEV.sync(stream)
+            got = DEV.get(recv_whole)
+            want = expected(world, round_, shape, np.int64)
+            if got[:want.size].tobytes() != want.tobytes():
+                problems.append(f"tokens {tokens}: wrong blocks "
+                                f"{bad_blocks(got[:want.size].reshape(want.shape), want)}")
+            if (got[want.size:] != 0x5A5A).any():
+                problems.append(f"tokens {tokens}: wrote past recv")
+        state = t.check()
+        calls = sum(1 for n in counts if n)  # a call with nothing to move launches nothing
+        if state["epoch"] != calls:
+            problems.append(f"device epoch {state['epoch']} after {calls} calls")
+    return not problems, "; ".join(problems) or f"tokens {counts} of at most {most}, exact"
+
+
 def _drifting_calls(comm, args, calls, replay_factory, label):
     """Shared by the back-to-back and graph checks: in-place send updates, results aside."""
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -225,7 +250,7 @@ def _drifting_calls(comm, args, calls, replay_factory, label):
     verify_at = sorted(set(range(0, calls, args.verify_every)) | {calls - 1})
     history = DEV.put(np.zeros((len(verify_at), world) + shape, dtype))
     problems = []
-    with T.IPCAllGather(comm, spin_limit=args.spin_limit).setup(shape, dtype) as t:
+    with IPCAllGather(comm, spin_limit=args.spin_limit).setup(shape, dtype) as t:
         replay, warmups = replay_factory(t, send, recv, stream)
         DEV.sync(stream)
         comm.Barrier()
@@ -250,7 +275,7 @@ def _drifting_calls(comm, args, calls, replay_factory, label):
                             f"call {wrong[0]}")
         try:
             state = t.check()
-        except T.IPCTimeoutError as exc:
+        except IPCTimeoutError as exc:
             problems.append(str(exc))
         else:
             if state["epoch"] != calls + warmups:
@@ -284,7 +309,8 @@ def check_timeout(comm, args):
     send = DEV.put(payload(rank, 0, shape, np.int64))
     recv = DEV.put(np.zeros((world,) + shape, np.int64))
     problems = []
-    t = T.IPCAllGather(comm, spin_limit=args.timeout_polls).setup(shape, np.int64)
+    waited = 0.0
+    t = IPCAllGather(comm, spin_limit=args.timeout_polls).setup(shape, np.int64)
     try:
         if rank == 0:
             t0 = time.perf_counter()
@@ -303,7 +329,7 @@ def check_timeout(comm, args):
         try:
             t.check()
             problems.append("check() raised nothing")
-        except T.IPCTimeoutError as exc:
+        except IPCTimeoutError as exc:
             want = "gave up waiting for rank 1" if rank == 0 else "rank 0 gave up"
             if want not in str(exc):
                 problems.append(f"check() said {exc!s}, expected {want!r}")
@@ -323,28 +349,41 @@ def check_exchange(comm, args):
     rank, world = comm.Get_rank(), comm.Get_size()
     works = [decode_workload(heads=args.heads, batch=args.batch, query_len=1,
                              context=args.context, seed=seed) for seed in (11, 12)]
+    fewer = decode_workload(heads=args.heads, batch=max(args.batch // 2, 1), query_len=1,
+                            context=args.context, seed=13)
     # one seq_lens for both (the captured graph reads the same seq_lens buffer)
     seq_host = works[0].seq_lens
     config = ExchangeConfig(heads=args.heads, max_tokens=works[0].tokens, topk=args.topk,
                             world=world, global_blocks=works[0].global_blocks)
+    window = dict(topk=args.topk, query_len=1, global_blocks=config.global_blocks,
+                  init_blocks=config.init_blocks, local_blocks=config.local_blocks)
     shards = [DEV.put(ref.shard_scores(w.full_scores, rank=rank, world=world,
                                        global_blocks=w.global_blocks)) for w in works]
-    oracle = [ref.global_topk(w.full_scores, seq_host, topk=args.topk, query_len=1,
-                              global_blocks=w.global_blocks, init_blocks=1, local_blocks=2)
-              for w in works]
+    oracle = [ref.global_topk(w.full_scores, seq_host, **window) for w in works]
     scores = DEV.put(DEV.get(shards[0]))
     seq_lens = DEV.put(seq_host)
     stream = DEV.stream()
     problems = []
     with CandidateExchange(comm, config, transport="ipc") as plan:
-        if plan.transport.name != "ipc" or not plan.gather_is_capturable:
+        transport = plan.transport
+        if transport.name != "ipc" or not plan.gather_is_capturable:
             problems.append(f"plan uses {plan.describe()}")
         DEV.sync(None)  # the uploads ran on the current stream; the plan runs on `stream`
         result = plan(scores, seq_lens, stream=stream)
         DEV.sync(stream)  # and the read-back is not ordered after `stream` either
-        got = DEV.get(result)
-        if not np.array_equal(got, oracle[0]):
+        if not np.array_equal(DEV.get(result), oracle[0]):
             problems.append("eager exchange differs from the oracle")
+        few_scores = DEV.put(ref.shard_scores(fewer.full_scores, rank=rank, world=world,
+                                              global_blocks=fewer.global_blocks))
+        few_seq = DEV.put(fewer.seq_lens)
+        DEV.sync(None)
+        result = plan(few_scores, few_seq, stream=stream)
+        DEV.sync(stream)
+        if plan.transport is not transport:
+            problems.append("the plan changed its transport for fewer tokens")
+        if not np.array_equal(DEV.get(result),
+                              ref.global_topk(fewer.full_scores, fewer.seq_lens, **window)):
+            problems.append(f"eager exchange of {fewer.tokens} tokens differs from the oracle")
         captured = plan.capture(scores, seq_lens, stream=stream)
         replays = max(4, args.replays // 50)
         history = DEV.put(np.zeros((replays,) + oracle[0].shape, np.int32))
@@ -359,27 +398,26 @@ def check_exchange(comm, args):
         wrong = [i for i in range(replays) if not np.array_equal(got[i], oracle[i % 2])]
         if wrong:
             problems.append(f"replays {wrong[:8]} differ from the oracle")
-        transport = plan._transports.get(config.max_tokens)
-        if transport is not None and hasattr(transport, "check"):
-            try:
-                transport.check()
-            except T.IPCTimeoutError as exc:
-                problems.append(str(exc))
+        try:
+            plan.check()
+        except IPCTimeoutError as exc:
+            problems.append(str(exc))
     detail = (f"heads={args.heads} batch={args.batch} context={args.context} topk={args.topk}: "
-              f"eager + {replays} replays exact, ~{elapsed:.0f} us/replay")
+              f"eager ({works[0].tokens} and {fewer.tokens} tokens) + {replays} replays exact, "
+              f"~{elapsed:.0f} us/replay")
     return not problems, "; ".join(problems) or detail
 
 
 def _nccl_round_trip(comm, args, label):
     try:
-        T._nccl_module()
+        nccl_module()
     except Exception as exc:
         return None, f"no NCCL ({type(exc).__name__}: {exc})"
     rank, world = comm.Get_rank(), comm.Get_size()
     shape, dtype = (args.heads, args.tokens, args.topk), np.int64
     stream = DEV.stream()
     problems = []
-    with T.NCCLAllGather(comm).setup(shape, dtype) as t:
+    with NCCLAllGather(comm).setup(shape, dtype) as t:
         send = DEV.put(payload(rank, 0, shape, dtype))
         recv = DEV.put(np.zeros((world,) + shape, dtype))
         t.all_gather(send, recv, stream=stream)
@@ -430,7 +468,7 @@ def parse_args(argv=None):
                    help="the last rank sleeps this long every 97 calls")
     p.add_argument("--spin-limit", type=int, default=None,
                    help="polls before an IPC wait gives up, for the checks' transports "
-                        "(default: NUMBA_CP_IPC_SPIN_LIMIT or numba_cp.ipc.SPIN_LIMIT)")
+                        "(default: NUMBA_CP_IPC_SPIN_LIMIT or numba_cp.comm.ipc.SPIN_LIMIT)")
     p.add_argument("--timeout-polls", type=int, default=20 if SIM else 1 << 14,
                    help="the spin limit of the timeout check")
     p.add_argument("--nccl-world", action="store_true",
@@ -452,32 +490,39 @@ def bind_device(comm):
     return f"gpu{device} {numba_cp.backend.describe()}"
 
 
+def checks(args):
+    found = [("choose", check_choose)]
+    for name, shape, dtype in (("eager int64 keys", (args.heads, args.tokens, args.topk),
+                                np.int64),
+                               ("eager float16", (2, 3, 4), np.float16),
+                               ("eager uint8 odd bytes", (5, 7), np.uint8),
+                               ("eager int64 tiny", (3,), np.int64)):
+        found.append((name, lambda c, a, s=shape, d=dtype: check_eager(c, a, s, d)))
+    found += [("eager fewer tokens", check_fewer_tokens),
+              ("eager back-to-back", check_back_to_back), ("graph replay", check_graph),
+              ("timeout and poison", check_timeout), ("exchange graph", check_exchange),
+              ("nccl self", check_nccl_self)]
+    if args.nccl_world:
+        found.append(("nccl world", check_nccl_world))
+    if args.only:
+        prefixes = [p.strip() for p in args.only.split(",")]
+        found = [(n, f) for n, f in found if any(n.startswith(p) for p in prefixes)]
+    return found
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     where = comm.gather(f"rank {rank}: {MPI.Get_processor_name()} {bind_device(comm)}", root=0)
     if rank == 0:
-        print(f"ipc_check | numba_cp {numba_cp.__version__} | backend {numba_cp.backend.NAME} "
+        print(f"ipc_device_check | numba_cp {numba_cp.__version__} | backend {TARGET.name} "
               f"| world {world} | MPI {MPI.Get_library_version().splitlines()[0].strip()}")
         for line in where:
             print(f"      {line}")
         sys.stdout.flush()
-    checks = [("choose", check_choose)]
-    for shape, dtype in (((args.heads, args.tokens, args.topk), np.int64), ((2, 3, 4), np.float16),
-                         ((5, 7), np.uint8), ((3,), np.int64)):
-        checks.append((f"eager {np.dtype(dtype).name} {shape}",
-                       lambda c, a, s=shape, d=dtype: check_eager(c, a, s, d)))
-    checks += [("eager back-to-back", check_back_to_back), ("graph replay", check_graph),
-               ("timeout and poison", check_timeout), ("exchange graph", check_exchange),
-               ("nccl self", check_nccl_self)]
-    if args.nccl_world:
-        checks.append(("nccl world", check_nccl_world))
-    if args.only:
-        prefixes = [p.strip() for p in args.only.split(",")]
-        checks = [(n, f) for n, f in checks if any(n.startswith(p) for p in prefixes)]
     counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
-    for name, check in checks:
+    for name, check in checks(args):
         try:
             ok, detail = check(comm, args)
         except Exception as exc:  # reported like a failure; the next check still runs
@@ -501,7 +546,7 @@ def main(argv=None) -> int:
             print(f"{verdict}  {name}  {detail}", flush=True)
     status = 1 if comm.bcast(counts["FAIL"] if rank == 0 else None, root=0) else 0
     if rank == 0:
-        print(f"ipc_check: {counts['PASS']} passed, {counts['FAIL']} failed, "
+        print(f"ipc_device_check: {counts['PASS']} passed, {counts['FAIL']} failed, "
               f"{counts['SKIP']} skipped (world {world})", flush=True)
     return status
 

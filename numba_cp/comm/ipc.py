@@ -1,0 +1,571 @@
+"""The IPC transport (``"ipc"``): ranks of one node write straight into each other's GPU memory.
+
+Every rank maps every peer's exchange buffer (CUDA/HIP IPC through CuPy) and
+the gather is three kernels on the stream -- push the payload into every
+peer, signal, wait for every peer and copy out -- synchronised by device-side
+epochs and flags, so it can be captured in a CUDA/HIP graph. Protocol, race
+analysis and failure handling: :mod:`numba_cp.kernels.ipc`.
+
+The pieces, so that tests can drive them directly (several simulated ranks in
+one process):
+
+:class:`IPCLayout`
+    where the flags and the two payload halves sit in a rank's exchange buffer.
+:class:`CudaIPCMemory`, :class:`HostIPCMemory`
+    allocate a buffer, export a handle (bytes) for it, open a peer's handle,
+    view a byte range as a kernel array, close and free. ``CudaIPCMemory``
+    uses CuPy's ``cudaIpc*`` / ``hipIpc*`` wrappers; ``HostIPCMemory`` stands
+    in for it under the simulator with a file in ``/dev/shm`` mapped by every
+    rank, so the same protocol runs across real processes on a CPU.
+:class:`IPCEngine`
+    one rank's view of every exchange buffer plus its private control words;
+    ``all_gather`` queues the three launches.
+:class:`IPCAllGather`
+    the transport built from them.
+:func:`local_probe`, :func:`gpu_identity`, :func:`peer_access`
+    what :func:`numba_cp.comm.choose.ipc_verdict` asks each rank.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import tempfile
+
+import numpy as np
+
+from .._numba import simulated_device_view
+from ..arrays import device_view, resolve_stream
+from ..backend import COMPILE_ONLY, TARGET, cuda
+from ..errors import IPCTimeoutError
+from ..kernels import ipc as K
+from .base import Transport, agree, describe_problem, register_transport
+
+__all__ = ["IPCLayout", "CudaIPCMemory", "HostIPCMemory", "IPCEngine", "IPCAllGather",
+           "ipc_memory", "local_probe", "gpu_identity", "peer_access", "SPIN_LIMIT",
+           "SPIN_LIMIT_ENV", "spin_limit_from_env"]
+
+SPIN_LIMIT_ENV = "NUMBA_CP_IPC_SPIN_LIMIT"
+# Polls before a wait gives up. On a GPU one poll is a system-scope load plus a
+# ~64 ns nap (well under a microsecond), so 2**28 polls is minutes: far beyond
+# any legitimate skew between ranks (a rank that is only preempted does not
+# poll), yet a dead peer does not hang the job forever.
+SPIN_LIMIT = 1 << 28
+
+ALIGN = 256  # byte alignment of the flag area and of every payload slot
+VIEW_CACHE = 64
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class IPCLayout:
+    """Byte layout of one rank's exchange buffer for ``world`` ranks of ``nbytes``.
+
+    ``[0, flag_bytes)``: int64 flags, ``world + 1`` of them (the last is the
+    poison word); then ``data``: two halves of ``world`` slots of
+    ``slot_bytes`` (``nbytes`` rounded up to :data:`ALIGN`).
+    """
+
+    def __init__(self, world: int, nbytes: int):
+        self.world = int(world)
+        self.nbytes = int(nbytes)
+        self.flag_words = self.world + 1
+        self.flag_bytes = _round_up(8 * self.flag_words, ALIGN)
+        self.slot_bytes = _round_up(max(self.nbytes, 1), ALIGN)
+        self.data_bytes = 2 * self.world * self.slot_bytes
+        self.total_bytes = self.flag_bytes + self.data_bytes
+
+    def slot_offset(self, epoch: int, rank: int) -> int:
+        """Byte offset (within ``data``) of ``rank``'s payload of call ``epoch``."""
+        return K.slot_base(int(epoch), self.world, int(rank), self.slot_bytes)
+
+    def __repr__(self):
+        return (f"IPCLayout(world={self.world}, nbytes={self.nbytes}, "
+                f"total_bytes={self.total_bytes})")
+
+
+# ---------------------------------------------------------------------------
+# Shared device memory
+
+
+class _Region:
+    """A byte range some :class:`*IPCMemory` allocated or opened."""
+
+    def __init__(self, memory, pointer, nbytes, owned, keep=None):
+        self.memory = memory
+        self.pointer = pointer  # device address (GPU) or host address (simulator)
+        self.nbytes = nbytes
+        self.owned = owned
+        self.keep = keep  # whatever must stay alive with the mapping
+        self._views = []
+
+    def view(self, offset: int, count: int, dtype):
+        """``count`` elements of ``dtype`` at byte ``offset`` as a kernel array."""
+        dtype = np.dtype(dtype)
+        if offset < 0 or offset + count * dtype.itemsize > self.nbytes:
+            raise ValueError(f"view [{offset}, +{count * dtype.itemsize}) outside the "
+                             f"{self.nbytes}-byte region")
+        return self.memory.view(self, offset, count, dtype)
+
+
+class CudaIPCMemory:
+    """CUDA/HIP IPC through CuPy's runtime wrappers (``cupy.cuda.runtime``).
+
+    Buffers come from ``runtime.malloc`` itself, not CuPy's memory pool: an IPC
+    handle names a whole allocation, and a pool hands out pieces of larger ones.
+    """
+
+    kind = "cuda-ipc"
+
+    def __init__(self):
+        import cupy
+
+        self.runtime = cupy.cuda.runtime
+
+    def allocate(self, nbytes: int) -> _Region:
+        pointer = self.runtime.malloc(nbytes)
+        try:
+            self.runtime.memset(pointer, 0, nbytes)
+            self.runtime.deviceSynchronize()  # zeroed before any peer can see it
+        except BaseException:
+            self.runtime.free(pointer)
+            raise
+        return _Region(self, pointer, nbytes, owned=True)
+
+    def handle(self, region: _Region) -> bytes:
+        return bytes(self.runtime.ipcGetMemHandle(region.pointer))
+
+    def open(self, handle: bytes, nbytes: int) -> _Region:
+        pointer = self.runtime.ipcOpenMemHandle(
+            bytes(handle), self.runtime.cudaIpcMemLazyEnablePeerAccess)
+        return _Region(self, pointer, nbytes, owned=False)
+
+    def view(self, region, offset, count, dtype):
+        return device_view(region.pointer + offset, count, dtype)
+
+    def published(self, region: _Region):
+        """Every peer has opened ``region`` (nothing to do for CUDA IPC)."""
+
+    def release(self, region: _Region):
+        if region.pointer:
+            pointer, region.pointer = region.pointer, 0
+            if region.owned:
+                self.runtime.free(pointer)
+            else:
+                self.runtime.ipcCloseMemHandle(pointer)
+
+    def private_zeros(self, count: int, dtype):
+        """A zeroed device array only this rank uses (the control words)."""
+        return cuda.to_device(np.zeros(count, dtype))
+
+    def synchronize(self):
+        self.runtime.deviceSynchronize()
+
+
+class HostIPCMemory:
+    """The simulator's stand-in for IPC: a file in ``/dev/shm`` that every rank maps.
+
+    The handle is the file's path; the creator unlinks it once every peer has
+    mapped it (:meth:`published`), so nothing is left behind if a rank dies.
+    The simulator's "device arrays" are NumPy arrays, here over the mapping.
+    """
+
+    kind = "host-shm"
+
+    def __init__(self):
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self.directory = base
+
+    def allocate(self, nbytes: int) -> _Region:
+        path = os.path.join(self.directory,
+                            f"numba_cp_ipc_{os.getpid()}_{secrets.token_hex(6)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)  # reads back as zeros
+            mapping = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        array = np.frombuffer(mapping, dtype=np.uint8)
+        region = _Region(self, array.__array_interface__["data"][0], nbytes, owned=True,
+                         keep=[mapping, array, path])
+        return region
+
+    def handle(self, region: _Region) -> bytes:
+        return region.keep[2].encode()
+
+    def open(self, handle: bytes, nbytes: int) -> _Region:
+        path = bytes(handle).decode()
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        array = np.frombuffer(mapping, dtype=np.uint8)
+        return _Region(self, array.__array_interface__["data"][0], nbytes, owned=False,
+                       keep=[mapping, array, None])
+
+    def view(self, region, offset, count, dtype):
+        host = region.keep[1][offset:offset + count * dtype.itemsize].view(dtype)
+        view = simulated_device_view(host)
+        region._views.append(view)
+        return view
+
+    def published(self, region: _Region):
+        path = region.keep[2]
+        if region.owned and path is not None:
+            region.keep[2] = None
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def release(self, region: _Region):
+        if region.keep is None:
+            return
+        self.published(region)
+        mapping = region.keep[0]
+        region._views.clear()
+        region.keep = None
+        region.pointer = 0
+        try:
+            mapping.close()
+        except BufferError:
+            pass  # a view is still referenced somewhere: the mapping goes with it
+
+    def private_zeros(self, count: int, dtype):
+        return cuda.to_device(np.zeros(count, dtype))
+
+    def synchronize(self):
+        pass  # simulated kernels have finished when their launch returns
+
+
+def ipc_memory():
+    """The shared-memory backend for this process: CUDA/HIP IPC, or host shm under the simulator."""
+    return HostIPCMemory() if TARGET.simulator else CudaIPCMemory()
+
+
+# ---------------------------------------------------------------------------
+# Probes (local; numba_cp.transport combines them over the communicator)
+
+_IPC_FUNCTIONS = ("ipcGetMemHandle", "ipcOpenMemHandle", "ipcCloseMemHandle", "malloc", "free")
+
+
+def local_probe(target_name: str | None = None, *, compile_only: bool | None = None
+                ) -> tuple[bool, str]:
+    """Whether this process can share device memory by IPC: ``(answer, reason)``.
+
+    ``target_name`` and ``compile_only`` default to the active target's.
+    """
+    target_name = TARGET.name if target_name is None else target_name
+    compile_only = COMPILE_ONLY if compile_only is None else compile_only
+    if target_name == "sim":
+        return False, ("the simulator has no device memory to share (forcing ipc emulates "
+                       "it with host shared memory)")
+    if compile_only:
+        return False, "NUMBA_CP_COMPILE_ONLY=1: no device"
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a CuPy built for another toolkit
+        return False, f"CuPy is not importable ({type(exc).__name__}: {exc})"
+    runtime = getattr(getattr(cupy, "cuda", None), "runtime", None)
+    missing = [name for name in _IPC_FUNCTIONS if not hasattr(runtime, name)]
+    if missing:
+        return False, f"cupy.cuda.runtime lacks {', '.join(missing)}"
+    return True, f"CuPy {cupy.__version__} {target_name.upper()} IPC"
+
+
+def gpu_identity() -> str | None:
+    """The PCI bus id of the current GPU (what peers compare), or None if unknown."""
+    try:
+        import cupy
+
+        runtime = cupy.cuda.runtime
+        return str(runtime.deviceGetPCIBusId(runtime.getDevice())).lower()
+    except Exception:
+        return None
+
+
+def peer_access(identities) -> tuple[bool, str]:
+    """Whether this process's GPU can map every GPU in ``identities`` (PCI bus ids)."""
+    mine = gpu_identity()
+    if mine is None or any(other is None for other in identities):
+        return False, "the GPUs' PCI bus ids are unknown, so peer access cannot be checked"
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    device = runtime.getDevice()
+    for other in sorted(set(identities) - {mine}):
+        try:
+            peer = runtime.deviceGetByPCIBusId(other)
+        except Exception:
+            return False, (f"GPU {other} is not visible to this process (each rank sees "
+                           "only its own GPU?); force ipc to try anyway")
+        if not runtime.deviceCanAccessPeer(device, peer):
+            return False, f"GPU {mine} cannot access peer GPU {other}"
+    count = len(set(identities))
+    return True, "one shared GPU" if count == 1 else f"{count} GPUs with peer access"
+
+
+# ---------------------------------------------------------------------------
+# Launching
+
+
+class IPCEngine:
+    """One rank's side of the protocol over already shared exchange buffers.
+
+    Args:
+        rank, world: this rank and the number of ranks.
+        layout: the :class:`IPCLayout` every buffer follows.
+        regions: ``world`` regions: ``regions[q]`` is rank ``q``'s exchange
+            buffer as mapped in this process (``regions[rank]`` its own).
+        ctrl: this rank's private int64 control words (``CTRL_WORDS``, zeroed).
+        spin_limit: polls before a wait gives up.
+    """
+
+    def __init__(self, rank, world, layout, regions, ctrl, *, spin_limit=SPIN_LIMIT):
+        if len(regions) != world:
+            raise ValueError(f"{len(regions)} regions for {world} ranks")
+        if int(spin_limit) < 1:
+            raise ValueError(f"spin_limit must be >= 1, got {spin_limit}")
+        self.rank, self.world, self.layout = int(rank), int(world), layout
+        self.ctrl = ctrl
+        self.spin_limit = int(spin_limit)
+        L = layout
+        self.flags = [r.view(0, L.flag_words, np.int64) for r in regions]
+        self.data = {unit: [r.view(L.flag_bytes, L.data_bytes // unit, f"u{unit}")
+                            for r in regions] for unit in (1, 8)}
+        self.own_flags = self.flags[self.rank]
+        self._views = {}
+
+    # -- per-call pieces ------------------------------------------------------
+
+    @staticmethod
+    def unit_for(nbytes: int, *pointers: int) -> int:
+        """8-byte words when the payload and both buffers allow, else bytes."""
+        return 8 if nbytes % 8 == 0 and all(p % 8 == 0 for p in pointers) else 1
+
+    def flat(self, array, pointer: int, nbytes: int, unit: int):
+        """``array``'s ``nbytes`` as a 1-D kernel array of ``unit``-byte words (cached)."""
+        key = (pointer, nbytes, unit)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= VIEW_CACHE:
+                self._views.clear()
+            if TARGET.simulator:
+                host = np.asarray(array).reshape(-1).view(np.uint8)[:nbytes].view(f"u{unit}")
+                view = simulated_device_view(host)
+            else:
+                view = device_view(pointer, nbytes // unit, f"u{unit}")
+            self._views[key] = view
+        return view
+
+    # -- the three steps ----------------------------------------------------
+
+    def bump(self, stream):
+        K.ipc_bump_kernel[1, 1, stream](self.ctrl)
+
+    def push(self, send, nbytes, unit, stream):
+        """``send``: a flat ``unit`` kernel array of this call's ``nbytes`` payload."""
+        count = nbytes // unit
+        slot = self.layout.slot_bytes // unit
+        threads = TARGET.ipc_threads
+        blocks = max(1, min(TARGET.ipc_push_blocks, -(-count // threads)))
+        data = self.data[unit]
+        for first in range(0, self.world, K.GROUP):
+            peers = list(range(first, min(first + K.GROUP, self.world)))
+            d = [data[q] for q in peers] + [data[peers[0]]] * (K.GROUP - len(peers))
+            f = [self.flags[q] for q in peers] + [self.flags[peers[0]]] * (K.GROUP - len(peers))
+            K.ipc_push_kernel[(blocks, len(peers)), threads, stream](
+                self.ctrl, send, count, slot, self.world, self.rank, len(peers), *d, *f)
+
+    def wait_copy(self, recv, nbytes, unit, stream):
+        """``recv``: a flat ``unit`` kernel array of ``world`` payloads of ``nbytes``."""
+        count = nbytes // unit
+        threads = TARGET.ipc_threads
+        blocks = max(1, min(TARGET.ipc_copy_blocks, -(-(self.world * count) // threads)))
+        K.ipc_wait_copy_kernel[blocks, threads, stream](
+            self.ctrl, self.own_flags, self.data[unit][self.rank], recv, count,
+            self.layout.slot_bytes // unit, self.world, self.spin_limit)
+
+    def all_gather(self, send, recv, nbytes, unit, stream):
+        """Queue one gather of ``nbytes`` per rank (at most the layout's)."""
+        if nbytes == 0:
+            return
+        self.bump(stream)
+        self.push(send, nbytes, unit, stream)
+        self.wait_copy(recv, nbytes, unit, stream)
+
+    # -- host-side inspection (synchronises) ------------------------------------
+
+    def state(self) -> dict:
+        """The control words and the poison word, read back to the host."""
+        ctrl = self.ctrl.copy_to_host()
+        flags = self.own_flags.copy_to_host()
+        return dict(epoch=int(ctrl[K.EPOCH]), error_epoch=int(ctrl[K.ERR_EPOCH]),
+                    error_peer=int(ctrl[K.ERR_PEER]) - 1, poisoned_by=int(flags[-1]) - 1,
+                    flags=[int(x) for x in flags[:-1]])
+
+
+def spin_limit_from_env(default: int = SPIN_LIMIT) -> int:
+    raw = os.environ.get(SPIN_LIMIT_ENV, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw, 0)
+    except ValueError:
+        raise ValueError(f"{SPIN_LIMIT_ENV}={raw!r}: expected a positive integer") from None
+    if value < 1:
+        raise ValueError(f"{SPIN_LIMIT_ENV}={raw!r}: expected a positive integer")
+    return value
+
+
+@register_transport
+class IPCAllGather(Transport):
+    """Ranks of one node gather by writing straight into each other's GPU memory.
+
+    :meth:`setup` (collective) allocates this rank's exchange buffer (flags and
+    two halves of ``world`` payload slots, :class:`IPCLayout`),
+    exports its IPC handle, exchanges the handles with ``comm.allgather``,
+    opens every peer's (``cudaIpcMemLazyEnablePeerAccess``) and zeroes a
+    private control block holding the device-side epoch. Each
+    :meth:`all_gather` then queues three kernels on ``stream`` and returns at
+    once: no host synchronisation, allocation or decision from device values,
+    so it can be captured in a CUDA/HIP graph and replayed (the epoch moves on
+    on the device). Consecutive calls must be ordered (same stream, or
+    streams the caller orders). Protocol, race analysis and failure handling:
+    :mod:`numba_cp.kernels.ipc`.
+
+    Args:
+        comm: ranks that all run on one node.
+        spin_limit: polls before a wait gives up (default
+            ``NUMBA_CP_IPC_SPIN_LIMIT`` or :data:`SPIN_LIMIT`); a
+            wait that gives up records an error that :meth:`check` raises.
+
+    Under the simulator (when forced) the buffers are host shared memory
+    (:class:`HostIPCMemory`) and the same kernels run on it.
+    :meth:`teardown` is local: it waits for this rank's device work, closes the
+    peers' handles and frees its own buffer.
+    """
+
+    name = "ipc"
+    device = True
+    capturable = True
+
+    def __init__(self, comm, *, spin_limit: int | None = None):
+        super().__init__(comm)
+        self.spin_limit = spin_limit_from_env() if spin_limit is None else int(spin_limit)
+        if self.spin_limit < 1:
+            raise ValueError(f"spin_limit must be >= 1, got {spin_limit}")
+        self.layout = None
+        self.engine = None
+        self._memory = None
+        self._regions = []
+
+    def _setup(self):
+        comm = self.comm
+        rank, world = comm.Get_rank(), comm.Get_size()
+        self.layout = layout = IPCLayout(world, self.nbytes)
+        if self.nbytes == 0:
+            return  # every rank agreed on the shape: nothing ever moves
+        regions = [None] * world
+        self._regions = regions
+        problem = handle = ctrl = None
+        try:
+            self._memory = memory = ipc_memory()
+            regions[rank] = memory.allocate(layout.total_bytes)
+            handle = memory.handle(regions[rank])
+            ctrl = memory.private_zeros(K.CTRL_WORDS, np.int64)
+            memory.synchronize()
+        except Exception as exc:
+            problem = describe_problem(exc)
+        handles = agree(comm, "ipc setup (allocating and exporting the exchange buffers)",
+                        problem=problem, payload=handle, cleanup=self._release)
+        problem = None
+        try:
+            for peer in range(world):
+                if peer != rank:  # a process cannot open its own IPC handle
+                    regions[peer] = memory.open(handles[peer], layout.total_bytes)
+            engine = IPCEngine(rank, world, layout, regions, ctrl,
+                                    spin_limit=self.spin_limit)
+        except Exception as exc:
+            problem = describe_problem(exc)
+        agree(comm, "ipc setup (opening the peers' exchange buffers)", problem=problem,
+              cleanup=self._release)
+        memory.published(regions[rank])
+        self.engine = engine
+
+    def _release(self):
+        """Close the peers' buffers, free this rank's (errors collected, first re-raised)."""
+        errors = []
+        memory, regions = self._memory, self._regions
+        rank = self.comm.Get_rank()
+        self.engine = None
+        self._regions = []
+        if memory is not None:
+            order = [q for q in range(len(regions)) if q != rank] + [rank]
+            for q in order:
+                if q < len(regions) and regions[q] is not None:
+                    try:
+                        memory.release(regions[q])
+                    except Exception as exc:
+                        errors.append(exc)
+        self._memory = None
+        if errors:
+            raise errors[0]
+
+    def _teardown(self):
+        try:
+            if self._memory is not None and self.engine is not None:
+                self._memory.synchronize()  # this rank's last gather is done with the buffers
+        finally:
+            self._release()
+            self.layout = None
+
+    def _all_gather(self, send, recv, stream):
+        (send_view, recv_view), (send_range, recv_range) = self._device_pair(send, recv)
+        nbytes = send_range[1]
+        if nbytes == 0:
+            return recv
+        engine = self.engine
+        unit = engine.unit_for(nbytes, send_range[0], recv_range[0])
+        flat_send = engine.flat(send_view, send_range[0], nbytes, unit)
+        flat_recv = engine.flat(recv_view, recv_range[0], recv_range[1], unit)
+        engine.all_gather(flat_send, flat_recv, nbytes, unit, resolve_stream(stream))
+        return recv
+
+    # -- inspection (host synchronisation: not for the hot path) ------------------
+
+    def state(self) -> dict:
+        """This rank's epoch, error words and flags (waits for its device work)."""
+        if not self.is_setup:
+            raise RuntimeError(f"{self.name}: call setup(shape, dtype) first")
+        if self.engine is None:  # a zero-byte payload
+            return dict(epoch=0, error_epoch=0, error_peer=-1, poisoned_by=-1, flags=[])
+        self._memory.synchronize()
+        return self.engine.state()
+
+    def check(self):
+        """Raise :class:`IPCTimeoutError` if a wait on this rank gave up, or a peer's did.
+
+        Waits for this rank's device work. Returns the :meth:`state` otherwise.
+        """
+        state = self.state()
+        rank = self.comm.Get_rank()
+        if state["error_epoch"]:
+            raise IPCTimeoutError(
+                f"ipc rank {rank}: call {state['error_epoch']} gave up waiting for rank "
+                f"{state['error_peer']} after {self.spin_limit} polls; results from that "
+                "call on are unreliable")
+        if state["poisoned_by"] >= 0:
+            raise IPCTimeoutError(
+                f"ipc rank {rank}: rank {state['poisoned_by']} gave up waiting for a peer; "
+                "results since are unreliable")
+        return state
+
+

@@ -1,0 +1,52 @@
+"""Kernel parameters, declared once beside each kernel.
+
+A launched kernel's parameters are its wrapper's arrays, in the wrapper's
+order, then its scalars (all int64). :func:`declare` attaches the declaration to the
+kernel's Python function and checks it against the argument names, so the
+launcher (:mod:`numba_cp.launcher`) builds argument lists and the compile
+check (:mod:`numba_cp.compile_check`) builds Numba signatures from the same
+tuple, and neither can drift from the kernel.
+
+Array dtypes are NumPy names, or a placeholder that the compile check
+specialises: :data:`INTEGER` (any integer dtype the wrapper accepts, such as
+``seq_lens``) and :data:`WORD` (the IPC payload's word: bytes or int64).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["Array", "Scalar", "INTEGER", "WORD", "declare", "scalars"]
+
+INTEGER = "integer"
+WORD = "word"
+
+
+class Array(NamedTuple):
+    name: str
+    dtype: str
+    ndim: int
+    layout: str = "A"  # any strides: the wrappers pass strided views
+
+
+class Scalar(NamedTuple):
+    name: str  # every kernel scalar is an int64
+
+
+def scalars(*names: str) -> tuple[Scalar, ...]:
+    return tuple(Scalar(name) for name in names)
+
+
+def declare(*params):
+    """Attach ``params`` to a kernel's Python function (apply below ``cuda.jit``)."""
+
+    def attach(fn):
+        code = fn.__code__
+        names = code.co_varnames[:code.co_argcount]
+        declared = tuple(p.name for p in params)
+        if names != declared:
+            raise TypeError(f"{fn.__name__}: parameters {names} but declared {declared}")
+        fn.params = tuple(params)
+        return fn
+
+    return attach

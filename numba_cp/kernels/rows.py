@@ -1,0 +1,192 @@
+"""What every kernel family shares: the row window, the candidate readers, the
+sparse-table writer, and the parameters of the three kernels each family builds.
+
+Launch shape of every family: ``grid = (tokens, heads)``, one block per
+``(head, row)``. A family (:mod:`.warp`, :mod:`.radix`) differs only in how a
+block selects the row's top keys; where the candidates come from and where the
+results go is here.
+"""
+
+from functools import lru_cache
+
+from numba import int64
+
+from ..backend import cuda
+from ..constants import PAGES, SPARSE_BLOCK
+from .keys import causal_len_of, repin_key, score_key, valid_blocks_of
+from .params import INTEGER, Array, scalars
+from .primitives import WARP_LANES, inline_device, lane_value
+
+__all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS",
+           "shard_candidate_key", "gathered_candidate_key", "shard_row", "gathered_row",
+           "merged_block", "table_writer"]
+
+# The kernels' parameters: the wrappers' arrays in the wrappers' order, then scalars.
+PACK_PARAMS = (Array("scores", "float32", 3), Array("seq_lens", INTEGER, 1),
+               Array("out", "int64", 3),
+               *scalars("topk", "rank", "world", "query_len", "global_blocks", "init_blocks",
+                        "local_blocks"))
+MERGE_PARAMS = (Array("keys", "int64", 4), Array("topk_idx", "int32", 3),
+                Array("seq_lens", INTEGER, 1),
+                *scalars("query_len", "init_blocks", "local_blocks"))
+# The 2-D one-head table layout is launched as [1, ...]: the kernels see 3-D and 2-D.
+MERGE_TABLE_PARAMS = (*MERGE_PARAMS[:3], Array("block_table", "int32", 2),
+                      Array("sparse_table", "int32", 3), Array("context_lens", "int32", 2),
+                      *MERGE_PARAMS[3:], *scalars("page_stride"))
+
+# ctx tuples handed to the candidate readers
+# shard:    (head, row, rank, world, init_blocks, local_start)
+# gathered: (head, row, per_shard, log2(per_shard) or -1, init_blocks, local_start)
+
+
+@cuda.jit(device=True, inline=True)
+def shard_candidate_key(scores, ctx, column):
+    head, row, rank, world, init_blocks, local_start = ctx
+    block = column * world + rank
+    return score_key(scores[head, row, column], block, init_blocks, local_start)
+
+
+@cuda.jit(device=True, inline=True)
+def gathered_candidate_key(keys, ctx, i):
+    head, row, per_shard, shift, init_blocks, local_start = ctx
+    if shift >= 0:  # per_shard is a power of two (it usually is topk): no division
+        rank = i >> shift
+        column = i & (per_shard - 1)
+    else:
+        rank = i // per_shard
+        column = i - rank * per_shard
+    key = keys[rank, head, row, column]
+    if key == 0:
+        return int64(0)
+    return repin_key(key, init_blocks, local_start)
+
+
+@cuda.jit(device=True, inline=True)
+def shard_candidate_count(valid_blocks, global_blocks, rank, world, local):
+    """Local columns ``j`` whose block ``j * world + rank`` is valid for the row."""
+    limit = min(valid_blocks, global_blocks)
+    if limit <= rank:
+        return int64(0)
+    return min((limit - rank + world - 1) // world, local)
+
+
+@cuda.jit(device=True, inline=True)
+def row_window(seq_lens, row, query_len, local_blocks):
+    request = row // query_len
+    causal_len = causal_len_of(seq_lens[request], row - request * query_len, query_len)
+    valid_blocks = valid_blocks_of(causal_len)
+    return request, causal_len, valid_blocks, max(valid_blocks - local_blocks, 0)
+
+
+@cuda.jit(device=True, inline=True)
+def per_shard_shift(per_shard):
+    """log2(per_shard) when it is a power of two, else -1 (see gathered_candidate_key)."""
+    shift = int64(-1)
+    if per_shard & (per_shard - 1) == 0:
+        shift = 0
+        while (int64(1) << shift) < per_shard:
+            shift += 1
+    return shift
+
+
+@cuda.jit(device=True, inline=True)
+def shard_row(scores, seq_lens, rank, world, query_len, global_blocks, init_blocks,
+              local_blocks):
+    """This block's ``(head, row)``, its shard candidate count and candidate ctx."""
+    row = int64(cuda.blockIdx.x)
+    head = int64(cuda.blockIdx.y)
+    _, _, valid_blocks, local_start = row_window(seq_lens, row, query_len, local_blocks)
+    count = shard_candidate_count(valid_blocks, global_blocks, rank, world, scores.shape[2])
+    return head, row, count, (head, row, rank, world, init_blocks, local_start)
+
+
+@cuda.jit(device=True, inline=True)
+def gathered_row(keys, seq_lens, query_len, init_blocks, local_blocks):
+    """This block's ``(head, row, request, causal_len, valid_blocks, candidates, ctx)``."""
+    row = int64(cuda.blockIdx.x)
+    head = int64(cuda.blockIdx.y)
+    request, causal_len, valid_blocks, local_start = row_window(seq_lens, row, query_len,
+                                                                local_blocks)
+    per_shard = int64(keys.shape[3])
+    ctx = (head, row, per_shard, per_shard_shift(per_shard), init_blocks, local_start)
+    return head, row, request, causal_len, valid_blocks, keys.shape[0] * per_shard, ctx
+
+
+@cuda.jit(device=True, inline=True)
+def merged_block(key, position, kept):
+    """Block id of the merged key at ``position``, or -1 past ``kept`` or for key 0."""
+    return (key & 0xFFFF) - 1 if (position < kept and key != 0) else int64(-1)
+
+
+@lru_cache(maxsize=None)
+def table_writer(slots):
+    """``write(blocks, topk, causal_len, request, head, row, block_table, page_stride,
+    sparse_table, context_lens, lane)``: SPEC.md's paged sparse block table of one
+    ``(head, row)``, written by the lanes of one whole warp.
+
+    ``blocks`` is the lane's local array of ``slots`` merged block ids (or -1)
+    at positions ``e = lane * slots + s``; it is overwritten. A used full
+    block's output slot is the number of full blocks before it: an exclusive
+    scan over the lanes (butterfly, so it needs only xor shuffles); the tail
+    block takes the slot after the last full one.
+    """
+
+    @inline_device
+    def write_sparse_table(blocks, topk, causal_len, request, head, row, block_table,
+                           page_stride, sparse_table, context_lens, lane):
+        ctx_len = max(causal_len, 0)
+        self_blk = (causal_len - 1) // SPARSE_BLOCK
+        columns = block_table.shape[1]
+        full = int64(0)
+        tail = int64(0)
+        for s in range(slots):
+            e = lane * slots + s
+            b = blocks[s]
+            if e < topk and ctx_len > 0 and 0 <= b <= self_blk and b < columns:
+                if b < self_blk:
+                    full += 1
+                else:
+                    tail = 1
+        before = int64(0)  # full blocks in lower lanes
+        total = full
+        tails = tail
+        mask = 1
+        while mask < WARP_LANES:
+            other_total = lane_value(total, lane, mask)
+            other_tails = lane_value(tails, lane, mask)
+            if lane & mask:
+                before += other_total
+            total += other_total
+            tails |= other_tails
+            mask <<= 1
+        n_full = total
+        n_used = n_full + tails
+        if lane == 0:
+            if tails:
+                context_lens[head, row] = n_full * SPARSE_BLOCK + (ctx_len - self_blk * SPARSE_BLOCK)
+            else:
+                context_lens[head, row] = min(n_used * SPARSE_BLOCK, ctx_len)
+        pages = cuda.local.array(slots, int64)  # all page lookups in flight at once
+        for s in range(slots):
+            e = lane * slots + s
+            b = blocks[s]
+            slot = int64(-1)
+            if e < topk and ctx_len > 0 and 0 <= b <= self_blk and b < columns:
+                if b < self_blk:
+                    slot = before
+                    before += 1
+                else:
+                    slot = n_full
+                pages[s] = block_table[request, b] * page_stride
+            blocks[s] = slot
+        for s in range(slots):
+            e = lane * slots + s
+            slot = blocks[s]
+            if slot >= 0:
+                for p in range(PAGES):
+                    sparse_table[head, row, slot * PAGES + p] = pages[s] + p
+            if n_used <= e < topk:
+                for p in range(PAGES):
+                    sparse_table[head, row, e * PAGES + p] = 0
+
+    return write_sparse_table

@@ -1,0 +1,333 @@
+"""The IPC all-gather's protocol: a model of it, then its kernels on simulated ranks.
+
+- a pure-Python model of the protocol, driven through many random
+  interleavings at the granularity of single slot writes, flag stores and
+  slot reads, with the halves addressed by the kernels' own ``slot_base``;
+  the same model without double buffering, or waiting for ``flag == epoch``,
+  must fail (so the model can see the races the design avoids);
+- the real IPC kernels under the simulator with several ranks in one
+  process, stepped kernel by kernel: a rank running a call ahead, timeouts
+  and poison, more peers than one push launch serves, the byte-wise path,
+  and payloads smaller than the buffers were laid out for.
+
+The expected gather is always every rank's payload, computed independently.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+
+from numba_cp.backend import TARGET, cuda
+from numba_cp.comm import ipc as I
+from numba_cp.kernels import ipc as K
+
+sim_only = pytest.mark.skipif(not TARGET.simulator,
+                              reason="drives simulated ranks in one process")
+
+
+# ---------------------------------------------------------------------------
+# The protocol as a model
+
+
+def run_model(world, calls, rng, *, double_buffer=True, wait_ge=True):
+    """One random interleaving of ``world`` ranks making ``calls`` all-gathers.
+
+    Per call a rank writes its payload into every peer's slot (one step per
+    peer), then stores its flag in every peer (one step each), waits until
+    its own flags reach the epoch, then reads every slot (one step each), as
+    the kernels do. Returns ``(corrupt reads, deadlocked, largest lead)``.
+    """
+    slot = ((lambda e, q: K.slot_base(e, world, q, 1)) if double_buffer else
+            (lambda e, q: q))
+    data = [dict() for _ in range(world)]  # owner -> slot -> (writer, epoch)
+    flags = [[0] * world for _ in range(world)]  # owner -> writer -> epoch
+    started = [0] * world
+
+    def program(r):
+        for e in range(1, calls + 1):
+            started[r] = e
+            for q in rng.sample(range(world), world):
+                data[q][slot(e, r)] = (r, e)
+                yield None
+            for q in rng.sample(range(world), world):
+                flags[q][r] = max(flags[q][r], e)
+                yield None
+            while not all((f >= e) if wait_ge else (f == e) for f in flags[r]):
+                yield "blocked"
+            for q in rng.sample(range(world), world):
+                got = data[r].get(slot(e, q))
+                yield ("read", got == (q, e))
+
+    running = {r: program(r) for r in range(world)}
+    blocked = set()  # ranks found waiting since the state last changed
+    corrupt, lead = 0, 0
+    while running:
+        r = rng.choice(sorted(running))
+        try:
+            step = next(running[r])
+        except StopIteration:
+            del running[r]
+            blocked.discard(r)
+            continue
+        if step == "blocked":
+            blocked.add(r)
+            if blocked >= set(running):
+                return corrupt, True, lead  # all wait and nobody can change a flag
+            continue
+        blocked.clear()
+        if step is not None and not step[1]:
+            corrupt += 1
+        lead = max(lead, max(started) - min(started))
+    return corrupt, False, lead
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_model_double_buffered_is_exact_and_never_deadlocks(world):
+    for seed in range(300 if world < 4 else 120):
+        corrupt, deadlocked, lead = run_model(world, 6, random.Random(seed))
+        assert (corrupt, deadlocked) == (0, False), f"seed {seed}"
+        assert lead <= 1, f"seed {seed}: a rank got {lead} calls ahead"
+
+
+def test_model_sees_the_race_without_double_buffering():
+    """One half only: a fast rank's next payload overwrites a slot a peer has not read."""
+    bad = sum(run_model(2, 6, random.Random(seed), double_buffer=False)[0] > 0
+              for seed in range(200))
+    assert bad > 0
+
+
+def test_model_sees_the_overtaken_flag_when_waiting_for_equality():
+    """``flag == epoch``: a peer already at the next call moved the flag on; hangs."""
+    hung = sum(run_model(2, 6, random.Random(seed), wait_ge=False)[1] for seed in range(200))
+    assert hung > 0
+
+
+def test_layout():
+    L = I.IPCLayout(3, 1000)
+    assert L.flag_words == 4 and L.flag_bytes == 256
+    assert L.slot_bytes == 1024 and L.data_bytes == 2 * 3 * 1024
+    assert L.total_bytes == 256 + 6144
+    # call e uses half e & 1; rank q's slot within it
+    assert [L.slot_offset(e, 1) for e in (1, 2, 3)] == [4 * 1024, 1024, 4 * 1024]
+    assert I.IPCLayout(2, 0).slot_bytes == 256
+
+
+# ---------------------------------------------------------------------------
+# The real kernels, several simulated ranks in one process
+
+
+class Ranks:
+    """``world`` IPCEngines over host shared memory, all in this process.
+
+    The buffers are laid out for payloads of ``shape``; ``shapes[e]`` gives
+    call ``e`` a smaller payload (every rank agrees on it, as callers of one
+    transport do). :meth:`wait_copy` and :meth:`got` act on the call a rank
+    last pushed.
+    """
+
+    def __init__(self, world, shape=(2, 3, 4), dtype=np.int64, spin_limit=10_000, shapes=None):
+        self.world, self.shape, self.dtype = world, tuple(shape), np.dtype(dtype)
+        self.shapes = dict(shapes or {})
+        self.layout = I.IPCLayout(world, self.nbytes(0))
+        self.memory = I.HostIPCMemory()
+        self.regions = [self.memory.allocate(self.layout.total_bytes) for _ in range(world)]
+        self.engines = [I.IPCEngine(r, world, self.layout, self.regions,
+                                    self.memory.private_zeros(K.CTRL_WORDS, np.int64),
+                                    spin_limit=spin_limit) for r in range(world)]
+        self.call = [0] * world
+        self._buffers = {}  # (rank, shape) -> (send, recv), kept alive: the views are cached
+
+    def shape_of(self, e):
+        return tuple(self.shapes.get(e, self.shape))
+
+    def nbytes(self, e):
+        return int(np.prod(self.shape_of(e), dtype=np.int64)) * self.dtype.itemsize
+
+    def unit(self, e):
+        return I.IPCEngine.unit_for(self.nbytes(e), 0, 0)
+
+    def buffers(self, r, e):
+        shape = self.shape_of(e)
+        pair = self._buffers.get((r, shape))
+        if pair is None:
+            pair = self._buffers[r, shape] = (
+                cuda.to_device(np.zeros(shape, self.dtype)),
+                cuda.to_device(np.zeros((self.world,) + shape, self.dtype)))
+        return pair
+
+    def payload(self, r, e):
+        n = int(np.prod(self.shape_of(e), dtype=np.int64))
+        raw = (np.arange(n * self.dtype.itemsize, dtype=np.int64) * 7 + 31 * r + 101 * e)
+        return (raw % 251).astype(np.uint8).view(self.dtype).reshape(self.shape_of(e))
+
+    def flat(self, r, which, e):
+        array = self.buffers(r, e)[0 if which == "send" else 1]
+        size = self.nbytes(e) * (1 if which == "send" else self.world)
+        return self.engines[r].flat(array, np.asarray(array).ctypes.data, size, self.unit(e))
+
+    def bump(self, r):
+        self.engines[r].bump(0)
+
+    def push(self, r, e):
+        self.call[r] = e
+        np.asarray(self.buffers(r, e)[0])[...] = self.payload(r, e)
+        self.engines[r].push(self.flat(r, "send", e), self.nbytes(e), self.unit(e), 0)
+
+    def ready(self, r, e):
+        return all(int(f) >= e for f in np.asarray(self.engines[r].own_flags)[:self.world])
+
+    def wait_copy(self, r):
+        e = self.call[r]
+        self.engines[r].wait_copy(self.flat(r, "recv", e), self.nbytes(e), self.unit(e), 0)
+
+    def expected(self, e):
+        return np.stack([self.payload(q, e) for q in range(self.world)])
+
+    def got(self, r):
+        return self.buffers(r, self.call[r])[1].copy_to_host()
+
+    def close(self):
+        for region in self.regions:
+            self.memory.release(region)
+
+
+@pytest.fixture
+def ranks():
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(Ranks(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+@sim_only
+def test_kernels_fast_rank_runs_a_call_ahead(ranks):
+    R = ranks(2)
+    for r in (0, 1):
+        R.bump(r)
+        R.push(r, 1)
+    R.wait_copy(0)
+    assert np.array_equal(R.got(0), R.expected(1))
+    R.bump(0)
+    R.push(0, 2)  # rank 0 is in call 2; rank 1 has not copied call 1 out yet
+    assert not R.ready(0, 2), "rank 0 must wait for rank 1's call 2"
+    assert int(np.asarray(R.engines[1].own_flags)[0]) == 2, "rank 0's flag overtook call 1"
+    R.wait_copy(1)  # >= 1 passes; call 1's payload is intact in the other half
+    assert np.array_equal(R.got(1), R.expected(1))
+    R.bump(1)
+    R.push(1, 2)
+    for r in (0, 1):
+        assert R.ready(r, 2)
+        R.wait_copy(r)
+        assert np.array_equal(R.got(r), R.expected(2))
+    assert [e.state()["epoch"] for e in R.engines] == [2, 2]
+
+
+def run_random_schedule(R, world, calls, rng):
+    """Run ``calls`` gathers on every rank, each rank's next kernel chosen at random
+    among those that can run, checking each gathered payload and the one-call-ahead
+    bound."""
+    step = [0] * world  # 0 bump, 1 push, 2 wait_copy (when ready)
+    call = [1] * world
+    while any(c <= calls for c in call):
+        runnable = [r for r in range(world) if call[r] <= calls
+                    and (step[r] < 2 or R.ready(r, call[r]))]
+        assert runnable, f"stuck at calls {call}, steps {step}"
+        r = rng.choice(runnable)
+        if step[r] == 0:
+            R.bump(r)
+        elif step[r] == 1:
+            R.push(r, call[r])
+        else:
+            R.wait_copy(r)
+            assert np.array_equal(R.got(r), R.expected(call[r])), (r, call[r])
+            call[r] += 1
+        step[r] = (step[r] + 1) % 3
+        assert max(call) - min(call) <= 2
+
+
+@sim_only
+@pytest.mark.parametrize("world, seed", [(2, 0), (3, 1), (3, 2), (4, 3)])
+def test_kernels_random_schedules(ranks, world, seed):
+    """Kernel-granularity interleavings: each rank's next kernel runs when it can."""
+    R = ranks(world)
+    calls = 4
+    run_random_schedule(R, world, calls, random.Random(seed))
+    for engine in R.engines:
+        state = engine.state()
+        assert state["epoch"] == calls and state["error_epoch"] == 0
+
+
+@sim_only
+def test_kernels_more_peers_than_one_push_launch(ranks):
+    world = K.GROUP + 1  # two push launches per call
+    R = ranks(world, shape=(5,), dtype=np.int64)
+    for e in (1, 2):
+        for r in range(world):
+            R.bump(r)
+            R.push(r, e)
+        for r in range(world):
+            assert R.ready(r, e)
+            R.wait_copy(r)
+            assert np.array_equal(R.got(r), R.expected(e))
+
+
+@sim_only
+def test_kernels_byte_payload(ranks):
+    R = ranks(3, shape=(3, 7), dtype=np.uint8)  # 21 bytes: the byte-wise kernels
+    assert R.unit(1) == 1
+    for r in range(3):
+        R.bump(r)
+        R.push(r, 1)
+    for r in range(3):
+        R.wait_copy(r)
+        assert np.array_equal(R.got(r), R.expected(1))
+
+
+@sim_only
+def test_kernels_timeout_then_poison(ranks):
+    R = ranks(3, spin_limit=5)
+    R.bump(0)
+    R.push(0, 1)
+    t0 = time.perf_counter()
+    R.wait_copy(0)  # nobody else came: gives up after 5 polls instead of hanging
+    assert time.perf_counter() - t0 < 10
+    state = R.engines[0].state()
+    assert (state["error_epoch"], state["error_peer"], state["poisoned_by"]) == (1, 1, -1)
+    # later waits of a rank that gave up do not wait at all, whatever the limit
+    R.engines[0].spin_limit = 10**12
+    R.bump(0)
+    R.push(0, 2)  # poisons every peer before its payload
+    t0 = time.perf_counter()
+    R.wait_copy(0)
+    assert time.perf_counter() - t0 < 10
+    for r in (1, 2):
+        assert R.engines[r].state()["poisoned_by"] == 0
+    # a poisoned rank stops waiting as well (rank 2 never comes)
+    R.engines[1].spin_limit = 10**12
+    R.bump(1)
+    R.push(1, 1)
+    t0 = time.perf_counter()
+    R.wait_copy(1)
+    assert time.perf_counter() - t0 < 10
+    assert R.engines[1].state()["error_epoch"] == 0
+
+
+@sim_only
+@pytest.mark.parametrize("world, seed", [(2, 4), (3, 5)])
+def test_kernels_payloads_smaller_than_the_layout(ranks, world, seed):
+    """Buffers laid out for 72 bytes; calls of 72, 27, 9 and 72 bytes, in 8-byte words and
+    bytes, with ranks drifting a call apart: each call gathers exactly its own payload."""
+    shapes = {1: (3, 8, 3), 2: (3, 3, 3), 3: (3, 1, 3), 4: (3, 8, 3), 5: (1, 1, 8)}
+    R = ranks(world, shape=(3, 8, 3), dtype=np.uint8, shapes=shapes)
+    assert [R.unit(e) for e in shapes] == [8, 1, 1, 8, 8]
+    run_random_schedule(R, world, len(shapes), random.Random(seed))
+    assert [engine.state()["epoch"] for engine in R.engines] == [len(shapes)] * world

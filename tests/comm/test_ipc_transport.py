@@ -1,0 +1,130 @@
+"""IPCAllGather on one rank: its error reporting, spin limit, setup failures and clean-up.
+
+Under the simulator its exchange buffers are files in ``/dev/shm`` mapped by
+every rank (:class:`~numba_cp.comm.ipc.HostIPCMemory`); the multi-rank runs
+are in ``test_mpi_jobs.py`` and, on a GPU, ``test_ipc_device.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+MPI = pytest.importorskip("mpi4py.MPI")
+
+from numba_cp.backend import TARGET, cuda  # noqa: E402
+from numba_cp.comm import IPCAllGather  # noqa: E402
+from numba_cp.comm import ipc as I  # noqa: E402
+from numba_cp.errors import IPCTimeoutError, RankAgreementError  # noqa: E402
+from numba_cp.kernels import ipc as K  # noqa: E402
+
+sim_only = pytest.mark.skipif(not TARGET.simulator,
+                              reason="IPC on host shared memory exists under the simulator only")
+
+
+@sim_only
+def test_check_reports_timeout_and_poison():
+    t = IPCAllGather(MPI.COMM_SELF, spin_limit=3).setup((4,), np.int64)
+    try:
+        send = cuda.to_device(np.arange(4, dtype=np.int64))
+        recv = cuda.to_device(np.zeros((1, 4), np.int64))
+        t.all_gather(send, recv)
+        assert t.check()["epoch"] == 1
+        # what the wait kernel records when it gives up, and what a peer's poison leaves
+        t.engine.ctrl[K.ERR_EPOCH] = 7
+        t.engine.ctrl[K.ERR_PEER] = 3
+        with pytest.raises(IPCTimeoutError, match="call 7 gave up waiting for rank 2 after 3 "
+                                                  "polls"):
+            t.check()
+        t.engine.ctrl[K.ERR_EPOCH] = 0
+        np.asarray(t.engine.own_flags)[-1] = 2
+        with pytest.raises(IPCTimeoutError, match="rank 1 gave up"):
+            t.check()
+    finally:
+        t.teardown()
+    assert t.engine is None and not t.is_setup
+    with pytest.raises(RuntimeError, match="setup"):
+        t.state()
+
+
+def test_spin_limit_env(monkeypatch):
+    assert IPCAllGather(MPI.COMM_SELF).spin_limit == I.SPIN_LIMIT
+    monkeypatch.setenv(I.SPIN_LIMIT_ENV, "0x100")
+    assert IPCAllGather(MPI.COMM_SELF).spin_limit == 256
+    assert I.spin_limit_from_env() == 256
+    assert IPCAllGather(MPI.COMM_SELF, spin_limit=9).spin_limit == 9
+    for bad in ("0", "many", "-3"):
+        monkeypatch.setenv(I.SPIN_LIMIT_ENV, bad)
+        with pytest.raises(ValueError, match=I.SPIN_LIMIT_ENV):
+            IPCAllGather(MPI.COMM_SELF)
+    with pytest.raises(ValueError, match="spin_limit must be >= 1"):
+        IPCAllGather(MPI.COMM_SELF, spin_limit=0)
+
+
+def test_zero_size_state_and_repr():
+    with IPCAllGather(MPI.COMM_SELF).setup((2, 0), np.int64) as t:
+        assert t.engine is None and t.state()["epoch"] == 0 and t.check()["flags"] == []
+        send = cuda.to_device(np.zeros((2, 0), np.int64))
+        recv = cuda.to_device(np.zeros((1, 2, 0), np.int64))
+        assert t.all_gather(send, recv) is recv
+        assert "'ipc'" in repr(t) and "shape=(2, 0)" in repr(t)
+
+
+@sim_only
+def test_zero_token_call_moves_nothing_and_keeps_the_epoch():
+    """A call with nothing to send launches nothing: the device epoch stays where it was."""
+    with IPCAllGather(MPI.COMM_SELF).setup((2, 3, 4), np.int64) as t:
+        full = np.arange(24, dtype=np.int64).reshape(2, 3, 4)
+        recv = cuda.to_device(np.zeros((1, 2, 3, 4), np.int64))
+        t.all_gather(cuda.to_device(full), recv)
+        t.all_gather(cuda.to_device(np.zeros((2, 0, 4), np.int64)),
+                     cuda.to_device(np.zeros((1, 2, 0, 4), np.int64)))
+        assert t.check()["epoch"] == 1
+        one = np.ascontiguousarray(full[:, :1])
+        recv_one = cuda.to_device(np.zeros((1, 2, 1, 4), np.int64))
+        t.all_gather(cuda.to_device(one), recv_one)
+        assert t.check()["epoch"] == 2
+        assert np.array_equal(recv_one.copy_to_host()[0], one)
+
+
+@sim_only
+def test_setup_failure_is_agreed(monkeypatch):
+    def broken(self, nbytes):
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(I.HostIPCMemory, "allocate", broken)
+    t = IPCAllGather(MPI.COMM_SELF)
+    with pytest.raises(RankAgreementError, match=r"ipc setup \(allocating.*rank 0: "
+                                                 r"MemoryError: no room"):
+        t.setup((4,), np.int64)
+    assert not t.is_setup and t.engine is None
+
+
+@sim_only
+def test_host_shm_is_unlinked_once_published():
+    mine = f"numba_cp_ipc_{os.getpid()}_"
+    directory = I.HostIPCMemory().directory
+    t = IPCAllGather(MPI.COMM_SELF).setup((4,), np.int64)
+    try:
+        region = t._regions[0]
+        assert region.keep[2] is None  # the /dev/shm name is gone; the mapping stays
+        assert not [n for n in os.listdir(directory) if n.startswith(mine)]
+        send = cuda.to_device(np.arange(4, dtype=np.int64))
+        recv = cuda.to_device(np.zeros((1, 4), np.int64))
+        t.all_gather(send, recv)  # still usable through the mapping
+        assert np.array_equal(recv.copy_to_host()[0], np.arange(4))
+    finally:
+        t.teardown()
+    assert not [n for n in os.listdir(directory) if n.startswith(mine)]
+
+
+def test_layout_sizes_every_slot_for_the_largest_payload():
+    t = IPCAllGather(MPI.COMM_SELF).setup((2, 5, 4), np.int64)
+    try:
+        assert t.layout.nbytes == 320 and t.layout.slot_bytes == 512
+        assert t.layout.total_bytes == 256 + 2 * 1 * 512
+    finally:
+        t.teardown()
+    assert t.layout is None

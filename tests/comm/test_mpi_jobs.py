@@ -1,0 +1,149 @@
+"""The transports across real processes: scripts from ``mpi_scripts/`` under ``mpiexec -n N``.
+
+Every job runs on the simulator (``NUMBA_CP_BACKEND=sim``): the device
+transports move the simulator's device arrays (host memory), the IPC
+transport maps host shared memory, and NCCL is the stand-in of
+``fake_nccl.py``. Each rank checks its gathers against every rank's payload,
+computed independently, and the plans against the unsharded oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+pytest.importorskip("mpi4py.MPI")
+
+from comm_support import ROOT, oks, problems, run_ranks, script_env  # noqa: E402
+from numba_cp.comm import GPU_AWARE_ENV, TRANSPORT_ENV  # noqa: E402
+from support import run_mpiexec  # noqa: E402
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(200)]
+
+DTYPES = ("int64", "float16", "uint16")
+ROUNDS = 2
+CHOICES = "host, ipc, mpi-device, nccl, staged"
+
+
+def allgather_check(mpiexec, n, tmp_path, *args, env=None):
+    return run_ranks(mpiexec, n, tmp_path / f"ranks-{n}", "allgather_check.py", *args, env=env)
+
+
+def values_labels(name, asked):
+    return sorted(f"transport={name} asked={asked} dtype={dtype} round={r}"
+                  for dtype in DTYPES for r in range(ROUNDS))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_mpi_transports_gather_exactly(mpiexec, tmp_path, n):
+    status, lines, output = allgather_check(mpiexec, n, tmp_path)
+    assert status == 0, output[-4000:]
+    expected = sorted(label for name in ("host", "staged", "mpi-device")
+                      for label in values_labels(name, name))
+    for rank, text in lines.items():
+        assert not problems(text), text
+        assert sorted(oks(text)) == expected, f"rank {rank}:\n" + "\n".join(text)
+
+
+@pytest.mark.parametrize("n, transports, extra, want", [
+    (1, "ipc", [], "ipc"),
+    (2, "ipc", [], "ipc"),
+    (4, "ipc", [], "ipc"),
+    (3, "nccl", ["--fake-nccl"], "nccl"),
+    (3, "auto", ["--ipc-probe", "all"], "ipc"),
+    (3, "auto", ["--ipc-probe", "0,2"], "staged"),
+], ids=["ipc-1", "ipc-2", "ipc-4", "fake-nccl-3", "auto-ipc-3", "auto-rank1-says-no-3"])
+def test_device_side_transports_gather_exactly(mpiexec, tmp_path, n, transports, extra, want):
+    status, lines, output = allgather_check(mpiexec, n, tmp_path, "--transports", transports,
+                                            *extra)
+    assert status == 0, output[-4000:]
+    for rank, text in lines.items():
+        assert not problems(text), text
+        assert sorted(oks(text)) == values_labels(want, transports), \
+            f"rank {rank}:\n" + "\n".join(text)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_one_setup_serves_every_token_count(mpiexec, tmp_path, n):
+    """Set up for (H, T, K); sends of (H, t, K), t < T and t = 0 included, gather exactly
+    on every transport, and a send past the setup is refused on every rank."""
+    transports = ("host", "staged", "mpi-device", "ipc")
+    status, lines, output = allgather_check(mpiexec, n, tmp_path, "--case", "tokens",
+                                            "--transports", ",".join(transports))
+    assert status == 0, output[-4000:]
+    plans = (("int64", 5, (5, 2, 0, 1, 5, 3)), ("uint8", 8, (8, 3, 0, 8, 1, 5)))
+    expected = sorted(
+        [f"transport={name} asked={name} dtype={dtype} tokens={t} round={r}"
+         for name in transports for dtype, _, counts in plans for r, t in enumerate(counts)]
+        + [f"transport={name} asked={name} dtype={dtype} rejects tokens={most + 1}"
+           for name in transports for dtype, most, _ in plans])
+    for rank, text in lines.items():
+        assert not problems(text), text
+        assert sorted(oks(text)) == expected, f"rank {rank}:\n" + "\n".join(text)
+
+
+@pytest.mark.parametrize("n, transport", [(2, None), (3, "staged"), (2, "ipc"), (3, "ipc")])
+def test_plan_serves_token_counts_with_one_transport(mpiexec, tmp_path, n, transport):
+    args = ["--tokens", "2,6,0,4,2"] + (["--transport", transport] if transport else [])
+    status, lines, output = run_ranks(mpiexec, n, tmp_path / "plan", "plan_check.py", *args)
+    assert status == 0, output[-4000:]
+    name = transport or "host"  # the simulator's plans gather host arrays by default
+    for rank, text in lines.items():
+        assert not problems(text), text
+        assert oks(text) == [f"transport={name} tokens={t}" for t in (2, 6, 0, 4, 2)], text
+
+
+@pytest.mark.parametrize("n, what", [(2, "shape"), (3, "dtype")])
+def test_mismatched_setup_fails_on_every_rank(mpiexec, tmp_path, n, what):
+    status, lines, output = allgather_check(mpiexec, n, tmp_path, "--case", "mismatch",
+                                            "--what", what, "--transports", "staged")
+    assert status != 0, output[-4000:]
+    odd = ", ".join(str(r) for r in range(1, n, 2))
+    even = ", ".join(str(r) for r in range(0, n, 2))
+    variant = "((2, 4, 4), '<i8')" if what == "shape" else "((2, 3, 4), '<f2')"
+    for rank, text in lines.items():
+        errors = [line for line in text if " ERROR " in line]
+        assert len(errors) == 1, f"rank {rank}: {text}"
+        assert "RankAgreementError: staged setup: ranks disagree" in errors[0]
+        assert f"((2, 3, 4), '<i8') on rank(s) {even}" in errors[0]
+        assert f"{variant} on rank(s) {odd}" in errors[0]
+        assert not oks(text)
+
+
+@pytest.mark.parametrize("env, asked, expected", [
+    ({}, "auto", "staged"),
+    ({GPU_AWARE_ENV: "1"}, "auto", "mpi-device"),
+    ({TRANSPORT_ENV: "mpi-device", GPU_AWARE_ENV: "0"}, "auto", "mpi-device"),
+    ({TRANSPORT_ENV: "host"}, "auto-host", "host"),
+], ids=["sim-default", "gpu-aware-env", "forced-env", "forced-host"])
+def test_choice_under_mpiexec(mpiexec, tmp_path, env, asked, expected):
+    status, lines, output = allgather_check(mpiexec, 2, tmp_path, "--transports", asked, env=env)
+    assert status == 0, output[-4000:]
+    for rank, text in lines.items():
+        assert sorted(oks(text)) == values_labels(expected, asked), \
+            f"rank {rank}:\n" + "\n".join(text)
+
+
+def test_unknown_transport_env_under_mpiexec(mpiexec, tmp_path):
+    status, lines, output = allgather_check(mpiexec, 2, tmp_path, "--case", "choose",
+                                            env={TRANSPORT_ENV: "bogus"})
+    assert status == 2, output[-4000:]
+    for rank, text in lines.items():
+        assert text[1:] == [f"rank={rank} ERROR ValueError: {TRANSPORT_ENV}='bogus': unknown "
+                            f"transport; choose one of {CHOICES}"], text
+
+
+def test_main_job_ipc_graph_is_exact(mpiexec, tmp_path):
+    out = tmp_path / "ipc.json"
+    command = [*mpiexec, "-n", "3", sys.executable, str(ROOT / "launch" / "exchange.py"),
+               "--heads", "2", "--batch", "3", "--context", "4K", "--topk", "8", "--iters", "1",
+               "--warmup", "1", "--transport", "ipc", "--graph", "--sparse-table",
+               "--json", str(out)]
+    status, output = run_mpiexec(command, env=script_env(), cwd=ROOT)
+    assert status == 0, output[-4000:]
+    result = json.loads(out.read_text())
+    assert result["world"] == 3 and result["exact"] is True
+    assert result["transport"].startswith("ipc (forced")
+    assert "graph_replay" in result["stages"]
