@@ -22,14 +22,24 @@ __all__ = ["KernelArray", "as_kernel_array", "with_leading_axis", "device_view",
 class KernelArray:
     """A kernel argument plus the metadata the host wrappers validate."""
 
-    __slots__ = ("arg", "dtype", "shape", "strides", "name")
+    __slots__ = ("arg", "dtype", "shape", "strides", "name", "readonly")
 
-    def __init__(self, arg, dtype, shape, strides, name):
+    def __init__(self, arg, dtype, shape, strides, name, readonly=False):
         self.arg = arg
         self.dtype = np.dtype(dtype)
         self.shape = tuple(int(n) for n in shape)
         self.strides = strides
         self.name = name
+        self.readonly = bool(readonly)
+
+    def extent(self) -> tuple[int, int]:
+        """``(low, high)`` byte offsets of the memory it touches, from its data pointer."""
+        if any(n == 0 for n in self.shape):
+            return 0, 0
+        strides = self.strides or ()
+        low = sum(min(0, (n - 1) * st) for n, st in zip(self.shape, strides))
+        high = sum(max(0, (n - 1) * st) for n, st in zip(self.shape, strides))
+        return low, high + self.dtype.itemsize
 
     @property
     def ndim(self):
@@ -68,7 +78,7 @@ def as_kernel_array(obj, name: str) -> KernelArray:
     if TARGET.simulator:
         if isinstance(obj, np.ndarray):
             return KernelArray(simulated_device_view(obj), obj.dtype, obj.shape, obj.strides,
-                               name)
+                               name, readonly=not obj.flags.writeable)
         if getattr(obj, "__cuda_ndarray__", False):  # the simulator's own device array
             return KernelArray(obj, obj.dtype, obj.shape, obj.strides, name)
         if hasattr(obj, "__cuda_array_interface__"):
@@ -83,9 +93,10 @@ def as_kernel_array(obj, name: str) -> KernelArray:
         if not hasattr(obj, "__dlpack__"):
             raise TypeError(f"{name}: expected a device array, got {type(obj).__name__}")
         obj = _from_dlpack(obj, name)
+    readonly = bool(obj.__cuda_array_interface__["data"][1])
     device_array = cuda.as_cuda_array(obj, sync=False)
     return KernelArray(device_array, device_array.dtype, device_array.shape,
-                       device_array.strides, name)
+                       device_array.strides, name, readonly=readonly)
 
 
 def with_leading_axis(array: KernelArray) -> KernelArray:

@@ -14,3 +14,8 @@ KEY_VALID_BIT = 1 << 48
 
 # The largest topk the kernels are built and tested for.
 MAX_TOPK = 2048
+
+# Page ids are int32: a block's first page, its table entry times the stride, must fit.
+MAX_PAGE_STRIDE = (1 << 31) - 1
+# init_blocks and local_blocks: any value past the largest global_blocks means "all".
+MAX_PINNED = (1 << 31) - 1

@@ -27,17 +27,34 @@ import numpy as np
 
 from .arrays import device_copy
 from .backend import TARGET
-from .comm import agree, choose_transport, takes_device_arrays
-from .constants import MAX_GLOBAL_BLOCKS, MAX_TOPK, PAGES
-from .ops import local_topk_keys, merge_topk_keys
+from .comm import (agree, barrier, checked_request, choose_transport, describe_problem,
+                   takes_device_arrays)
+from .errors import IPCTimeoutError
+from .launcher import call_signature
+from .constants import MAX_GLOBAL_BLOCKS, MAX_PAGE_STRIDE, MAX_PINNED, MAX_TOPK, PAGES
+from .ops import (check_local_topk_keys, check_merge_topk_keys, choose_method,
+                  local_topk_keys, merge_topk_keys)
 
 __all__ = ["ExchangeConfig", "CandidateExchange", "CapturedExchange", "owned_heads",
            "record_graph"]
 
 
+def _integer(name, value, low, high=None):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"ExchangeConfig.{name} must be an integer, got "
+                        f"{type(value).__name__} {value!r}")
+    if value < low or (high is not None and value >= high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"ExchangeConfig.{name} must be {bound}, got {value}")
+
+
 @dataclass(frozen=True)
 class ExchangeConfig:
-    """What every rank of the CP group must agree on."""
+    """What every rank of the CP group must agree on; checked when it is made.
+
+    A field of the wrong type (``True`` and ``1.0`` are not integers) or out
+    of range raises ``TypeError`` or ``ValueError`` naming it.
+    """
 
     heads: int
     max_tokens: int
@@ -52,31 +69,30 @@ class ExchangeConfig:
     block_page_stride: int | None = None
     merge: str = "all"  # "all" heads on every rank, or "owned": this rank's slice
 
+    def __post_init__(self):
+        for name in ("heads", "max_tokens", "world", "query_len"):
+            _integer(name, getattr(self, name), 1)
+        _integer("topk", self.topk, 1, MAX_TOPK + 1)
+        _integer("global_blocks", self.global_blocks, 0, MAX_GLOBAL_BLOCKS)
+        _integer("init_blocks", self.init_blocks, 0, MAX_PINNED + 1)
+        _integer("local_blocks", self.local_blocks, 0, MAX_PINNED + 1)
+        if self.per_shard is not None:
+            _integer("per_shard", self.per_shard, 1, MAX_TOPK + 1)
+        if self.block_page_stride is not None:
+            _integer("block_page_stride", self.block_page_stride, 0, MAX_PAGE_STRIDE + 1)
+        if not isinstance(self.sparse_table, (bool, np.bool_)):
+            raise TypeError(f"ExchangeConfig.sparse_table must be a bool, got "
+                            f"{type(self.sparse_table).__name__} {self.sparse_table!r}")
+        if self.merge not in ("all", "owned"):
+            raise ValueError(f"ExchangeConfig.merge must be 'all' or 'owned', "
+                             f"got {self.merge!r}")
+        if self.max_tokens % self.query_len:
+            raise ValueError(f"ExchangeConfig.max_tokens ({self.max_tokens}) must be a "
+                             f"multiple of query_len ({self.query_len})")
+
     @property
     def shard_keys(self) -> int:
         return self.topk if self.per_shard is None else self.per_shard
-
-    def problems(self) -> list[str]:
-        """Local sanity checks (the kernels check the rest on every call)."""
-        out = []
-        for name in ("heads", "max_tokens", "topk", "world", "query_len"):
-            if getattr(self, name) < 1:
-                out.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.global_blocks < MAX_GLOBAL_BLOCKS:
-            out.append(f"global_blocks must be in [0, {MAX_GLOBAL_BLOCKS}), "
-                       f"got {self.global_blocks}")
-        if self.topk > MAX_TOPK or self.shard_keys > MAX_TOPK:
-            out.append(f"topk and per_shard must be <= {MAX_TOPK}")
-        if self.shard_keys < 1:
-            out.append(f"per_shard must be >= 1, got {self.per_shard}")
-        if self.max_tokens % self.query_len:
-            out.append(f"max_tokens ({self.max_tokens}) must be a multiple of query_len "
-                       f"({self.query_len})")
-        if self.init_blocks < 0 or self.local_blocks < 0:
-            out.append("init_blocks and local_blocks must be >= 0")
-        if self.merge not in ("all", "owned"):
-            out.append(f"merge must be 'all' or 'owned', got {self.merge!r}")
-        return out
 
 
 def owned_heads(heads: int, world: int, rank: int) -> range:
@@ -108,12 +124,27 @@ class CandidateExchange:
 
     def __init__(self, comm, config: ExchangeConfig, *, transport=None, method="auto",
                  threads=None, sort_limit=None):
-        problems = config.problems()
-        if comm.Get_size() != config.world:
-            problems.append(f"world is {config.world} but the communicator has "
-                            f"{comm.Get_size()} ranks")
-        agree(comm, "CandidateExchange", problem="; ".join(problems) or None,
-              values=dataclasses.asdict(config))
+        # Local checks first, inside a guard: their outcome goes through the one
+        # agreement collective, so a rank that fails makes every rank raise.
+        problem, values = None, None
+        try:
+            if not isinstance(config, ExchangeConfig):
+                raise TypeError(f"config must be an ExchangeConfig, got {type(config).__name__}")
+            if comm.Get_size() != config.world:
+                raise ValueError(f"config.world is {config.world} but the communicator has "
+                                 f"{comm.Get_size()} ranks")
+            choose_method(method, config.topk)
+            device = not TARGET.simulator or bool(takes_device_arrays(transport))
+            values = dataclasses.asdict(config)  # its fields' types are checked: 1.0 is no 1
+            values.update(transport=checked_request(transport, device), method=method,
+                          threads=threads, sort_limit=sort_limit)
+        except Exception as exc:
+            problem = describe_problem(exc)
+        agree(comm, "CandidateExchange", problem=problem, values=values)
+        # Agreements after this one travel on a communicator of their own: a rank
+        # that asks while its peers already move data can then only time out,
+        # never have its question matched with their all-gather.
+        self._control = comm.Dup()
         self.comm = comm
         self.config = config
         self.rank = comm.Get_rank()
@@ -143,6 +174,8 @@ class CandidateExchange:
             self._ctx = place(np.zeros(merged * c.max_tokens, np.int32))
         self._views = {}
         self._captured = []  # invalidated on close: their graphs use the plan's buffers
+        self._agreed = set()  # call signatures every rank has checked together
+        self._failure = None  # why the plan refuses calls, once a gather gave up
 
     def _place(self, host):
         return device_copy(host, simulated_device=self._device_payload)
@@ -171,29 +204,14 @@ class CandidateExchange:
 
     # -- stages -----------------------------------------------------------------
 
-    def pack(self, scores, seq_lens, *, stream=None):
-        """This rank's shard ``[heads, tokens, local]`` -> its keys (the send buffer)."""
+    def _pack_arguments(self, scores, seq_lens, tokens):
         c = self.config
-        tokens = scores.shape[1] if len(scores.shape) == 3 else -1
-        send = self._views_for(tokens)[0]
-        local_topk_keys(scores, seq_lens, topk=c.shard_keys, rank=self.rank, world=c.world,
-                        query_len=c.query_len, global_blocks=c.global_blocks,
-                        init_blocks=c.init_blocks, local_blocks=c.local_blocks, out=send,
-                        stream=stream, **self.launch)
-        return send
+        return (scores, seq_lens), dict(
+            topk=c.shard_keys, rank=self.rank, world=c.world, query_len=c.query_len,
+            global_blocks=c.global_blocks, init_blocks=c.init_blocks,
+            local_blocks=c.local_blocks, out=self._views_for(tokens)[0], **self.launch)
 
-    def all_gather(self, tokens: int, *, stream=None):
-        """Every rank's keys -> the gathered buffer ``[world, heads, tokens, per_shard]``.
-
-        Collective: every rank must call it with the same ``tokens``.
-        """
-        send, recv = self._views_for(tokens)[:2]
-        if self.config.world == 1:
-            return recv  # send is recv[0]
-        return self.transport.all_gather(send, recv, stream=stream)
-
-    def merge(self, seq_lens, tokens: int, *, attention_block_table=None, stream=None):
-        """Gathered keys -> ``topk_idx`` of this rank's heads (and the sparse table)."""
+    def _merge_arguments(self, seq_lens, tokens, attention_block_table):
         c = self.config
         _, _, keys, idx, sbt, ctx = self._views_for(tokens)
         if c.sparse_table and attention_block_table is None:
@@ -207,18 +225,89 @@ class CandidateExchange:
             tables = dict(attention_block_table=attention_block_table,
                           sparse_block_table_out=sbt, sparse_context_lens_out=ctx,
                           block_page_stride=c.block_page_stride)
-        merge_topk_keys(keys, idx, seq_lens, query_len=c.query_len, init_blocks=c.init_blocks,
-                        local_blocks=c.local_blocks, stream=stream, **tables, **self.launch)
-        return (idx, sbt, ctx) if c.sparse_table else idx
+        return (keys, idx, seq_lens), dict(query_len=c.query_len, init_blocks=c.init_blocks,
+                                           local_blocks=c.local_blocks, **tables, **self.launch)
+
+    @staticmethod
+    def _tokens_of(scores):
+        shape = getattr(scores, "shape", None)
+        if shape is None or len(shape) != 3:
+            raise ValueError(f"scores must be 3-D [heads, tokens, local], got shape {shape}")
+        return int(shape[1])
+
+    def pack(self, scores, seq_lens, *, stream=None):
+        """This rank's shard ``[heads, tokens, local]`` -> its keys (the send buffer)."""
+        self._refuse_if_failed()
+        args, kwargs = self._pack_arguments(scores, seq_lens, self._tokens_of(scores))
+        return local_topk_keys(*args, stream=stream, **kwargs)
+
+    def all_gather(self, tokens: int, *, stream=None):
+        """Every rank's keys -> the gathered buffer ``[world, heads, tokens, per_shard]``.
+
+        Collective: every rank must call it with the same ``tokens`` (the first
+        call with each ``tokens`` checks that on every rank).
+        """
+        self._refuse_if_failed()
+        send, recv = self._views_for(tokens)[:2]
+        if self.config.world == 1:
+            return recv  # send is recv[0]
+        if ("tokens", tokens) not in self._agreed:
+            agree(self._control, "CandidateExchange.all_gather", values={"tokens": tokens})
+            self._agreed.add(("tokens", tokens))
+        return self.transport.all_gather(send, recv, stream=stream)
+
+    def merge(self, seq_lens, tokens: int, *, attention_block_table=None, stream=None):
+        """Gathered keys -> ``topk_idx`` of this rank's heads (and the sparse table)."""
+        self._refuse_if_failed()
+        args, kwargs = self._merge_arguments(seq_lens, tokens, attention_block_table)
+        merge_topk_keys(*args, stream=stream, **kwargs)
+        _, _, _, idx, sbt, ctx = self._views_for(tokens)
+        return (idx, sbt, ctx) if self.config.sparse_table else idx
 
     def __call__(self, scores, seq_lens, *, attention_block_table=None, stream=None):
         """The whole exchange. Returns ``topk_idx`` ``[merged heads, tokens, topk]``,
-        or ``(topk_idx, sparse_block_table, context_lens)`` with ``sparse_table``."""
+        or ``(topk_idx, sparse_block_table, context_lens)`` with ``sparse_table``.
+
+        Collective. The first call with each argument signature (dtypes,
+        shapes, strides) validates every argument on every rank and agrees on
+        the outcome before anything moves, so a bad argument on one rank raises
+        :class:`~numba_cp.errors.RankAgreementError` on all of them; repeated
+        signatures add no collective.
+        """
+        self._refuse_if_failed()
+        key, _ = call_signature((scores, seq_lens, attention_block_table), ())
+        if key is None or key not in self._agreed:
+            self._agree_on_call(scores, seq_lens, attention_block_table)
+            if key is not None:
+                self._agreed.add(key)
         self.pack(scores, seq_lens, stream=stream)
         tokens = scores.shape[1]
         self.all_gather(tokens, stream=stream)
         return self.merge(seq_lens, tokens, attention_block_table=attention_block_table,
                           stream=stream)
+
+    def _agree_on_call(self, scores, seq_lens, attention_block_table):
+        problem = tokens = None
+        try:
+            tokens = self._tokens_of(scores)
+            args, kwargs = self._pack_arguments(scores, seq_lens, tokens)
+            check_local_topk_keys(*args, **kwargs)
+            args, kwargs = self._merge_arguments(seq_lens, tokens, attention_block_table)
+            check_merge_topk_keys(*args, **kwargs)
+        except Exception as exc:
+            problem = describe_problem(exc)
+        agree(self._control, "CandidateExchange call", problem=problem,
+              values={"tokens": tokens})
+        self._agreed.add(("tokens", tokens))
+
+    def _refuse_if_failed(self):
+        """Raise if a gather gave up: on this call and every later one (cheap: no sync)."""
+        if self._failure is None:
+            failure = getattr(self.transport, "failure", None)
+            self._failure = failure() if failure is not None else None
+        if self._failure is not None:
+            raise IPCTimeoutError(f"{self._failure}; this plan refuses calls from now on: "
+                                  "close it and build a new one")
 
     # -- life cycle ---------------------------------------------------------------
 
@@ -231,19 +320,32 @@ class CandidateExchange:
         if hasattr(self.transport, "check") and self.transport.is_setup:
             self.transport.check()
 
-    def close(self):
-        """Tear the transports down; captured exchanges of this plan stop replaying."""
+    def close(self, *, collective: bool = True):
+        """Tear the transport down; captured exchanges of this plan stop replaying.
+
+        Collective: every rank waits for the others before any frees memory that
+        a peer may still write into (the IPC buffers). ``collective=False``
+        (what leaving a ``with`` block on an exception does) releases at once.
+        """
         for captured in self._captured:
             captured.invalidate()
         self._captured.clear()
-        self.transport.teardown()
-        self._views.clear()
+        control, self._control = self._control, None
+        if control is None:
+            return  # closed before
+        try:
+            if collective and self.transport.is_setup:
+                barrier(control, "CandidateExchange.close")
+        finally:
+            self.transport.teardown(collective=False)
+            self._views.clear()
+            control.Free()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc_info):
-        self.close()
+    def __exit__(self, kind, value, traceback):
+        self.close(collective=kind is None)  # a failing rank must not wait for its peers
         return False
 
     def describe(self) -> str:
@@ -290,7 +392,8 @@ class CandidateExchange:
         else:
             segments = [(record_graph(pack, stream), gather), (record_graph(merge, stream), None)]
         captured = CapturedExchange(segments, self._views_for(tokens)[3:],
-                                    self.config.sparse_table, stream)
+                                    self.config.sparse_table, stream, self._refuse_if_failed,
+                                    keep=(scores, seq_lens, attention_block_table))
         self._captured.append(captured)
         return captured
 
@@ -317,9 +420,11 @@ def record_graph(work, stream):
 class CapturedExchange:
     """Replays a captured exchange: ``replay()`` runs pack -> gather -> merge again."""
 
-    def __init__(self, segments, outputs, sparse_table, stream):
+    def __init__(self, segments, outputs, sparse_table, stream, check, keep):
         self._segments = segments
         self._stream = stream
+        self._check = check  # raises once a gather gave up
+        self._keep = keep  # the graphs read these arrays' memory: keep them alive
         idx, sbt, ctx = outputs
         self.outputs = (idx, sbt, ctx) if sparse_table else idx
 
@@ -330,6 +435,7 @@ class CapturedExchange:
         """Collective when the gather is MPI. Returns the plan's output arrays."""
         if self._segments is None:
             raise RuntimeError("this captured exchange's plan was closed: its buffers are gone")
+        self._check()
         stream = self._stream if stream is None else stream
         for replay_graph, host_step in self._segments:
             replay_graph(stream)

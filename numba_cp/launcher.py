@@ -37,25 +37,27 @@ _MAX_CACHED = 4096
 
 
 def array_signature(obj):
-    """``((typestr, shape, strides), data pointer)`` of an array without viewing it.
+    """``((typestr, shape, strides, read-only), data pointer)`` of an array without viewing it.
 
     None means "not cacheable" (the wrapper then validates on every call). The
-    pointer (None under the simulator) saves reading the interface twice.
+    pointer saves reading the interface twice.
     """
     if TARGET.simulator:
         if isinstance(obj, np.ndarray):
-            return (obj.dtype.str, obj.shape, obj.strides), None
+            return ((obj.dtype.str, obj.shape, obj.strides, not obj.flags.writeable),
+                    obj.__array_interface__["data"][0])
         return None
     if type(obj) is _cupy_ndarray():
         # CuPy builds its interface dict on every access (about 2 us); its attributes
         # say the same for the key. dtype.str is the interface's typestr.
-        return (obj.dtype.str, obj.shape, obj.strides), obj.data.ptr
+        return (obj.dtype.str, obj.shape, obj.strides, False), obj.data.ptr
     interface = getattr(obj, "__cuda_array_interface__", None)
     if interface is None:
         return None
     strides = interface.get("strides")
+    pointer, readonly = interface["data"]
     return ((interface["typestr"], tuple(interface["shape"]),
-             None if strides is None else tuple(strides)), interface["data"][0])
+             None if strides is None else tuple(strides), bool(readonly)), pointer)
 
 
 @lru_cache(maxsize=None)
@@ -119,6 +121,9 @@ class LaunchCache(dict):
                 if len(self) >= _MAX_CACHED:
                     self.clear()
                 self[key] = launch
+        footprint = getattr(launch, "footprint", None)
+        if footprint is not None:
+            footprint.check(arrays, pointers)
         return launch, pointers
 
 
@@ -132,8 +137,9 @@ class KernelLaunch:
     parameters in declared order.
     """
 
-    def __init__(self, kernel, grid, block, scalars):
+    def __init__(self, kernel, grid, block, scalars, footprint=None):
         self.kernel = kernel
+        self.footprint = footprint  # checks per call that outputs overlap nothing
         self.grid = grid
         self.block = block
         self.params = _numba.kernel_py_func(kernel).params

@@ -11,11 +11,12 @@ from __future__ import annotations
 from . import validate
 from .arrays import as_kernel_array
 from .backend import TARGET
-from .constants import MAX_GLOBAL_BLOCKS, MAX_TOPK, PAGES
+from .constants import MAX_GLOBAL_BLOCKS, MAX_PAGE_STRIDE, MAX_PINNED, MAX_TOPK, PAGES
 from .kernels import radix, warp
 from .launcher import KernelLaunch, LaunchCache
 
-__all__ = ["local_topk_keys", "merge_topk_keys", "METHODS", "choose_method"]
+__all__ = ["local_topk_keys", "merge_topk_keys", "check_local_topk_keys",
+           "check_merge_topk_keys", "METHODS", "choose_method"]
 
 # "warp": warps sort in registers (numba_cp.kernels.warp), for topk up to
 # lanes * MAX_LANE_SLOTS; "radix": block-wide radix select + shared-memory sort
@@ -151,12 +152,25 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
     Returns:
         ``out``.
     """
-    arrays = (scores, seq_lens, out)
-    scalars = (topk, rank, world, query_len, global_blocks, init_blocks, local_blocks, method,
-               threads, sort_limit)
-    launch, pointers = _PACK_LAUNCHES.launch_for(arrays, scalars, _plan_local_topk)
+    launch, arrays, pointers = _pack_launch(scores, seq_lens, out, topk, rank, world, query_len,
+                                            global_blocks, init_blocks, local_blocks, method,
+                                            threads, sort_limit)
     launch(arrays, stream, pointers)
     return out
+
+
+def check_local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_blocks,
+                          init_blocks, local_blocks, out, method="auto", threads=None,
+                          sort_limit=None):
+    """Validate a :func:`local_topk_keys` call without launching it (raises as it would)."""
+    _pack_launch(scores, seq_lens, out, topk, rank, world, query_len, global_blocks,
+                 init_blocks, local_blocks, method, threads, sort_limit)
+
+
+def _pack_launch(scores, seq_lens, out, *scalars):
+    arrays = (scores, seq_lens, out)
+    launch, pointers = _PACK_LAUNCHES.launch_for(arrays, scalars, _plan_local_topk)
+    return launch, arrays, pointers
 
 
 def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_blocks,
@@ -167,8 +181,8 @@ def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_b
     query_len = validate.integer("query_len", query_len, low=1)
     global_blocks = validate.integer("global_blocks", global_blocks, low=0,
                                      high=MAX_GLOBAL_BLOCKS)
-    init_blocks = validate.integer("init_blocks", init_blocks, low=0)
-    local_blocks = validate.integer("local_blocks", local_blocks, low=0)
+    init_blocks = validate.integer("init_blocks", init_blocks, low=0, high=MAX_PINNED + 1)
+    local_blocks = validate.integer("local_blocks", local_blocks, low=0, high=MAX_PINNED + 1)
 
     scores_a, seq_lens_a, out_a = (as_kernel_array(a, name) for a, name in
                                    zip(arrays, ("scores", "seq_lens", "out")))
@@ -176,6 +190,7 @@ def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_b
     validate.ndim(scores_a, 3)
     validate.dtype(out_a, "int64")
     validate.ndim(out_a, 3)
+    validate.writable_output(out_a)
     heads, tokens, local = scores_a.shape
     validate.dim(out_a, 0, heads, "heads, as in scores")
     validate.dim(out_a, 1, tokens, "tokens, as in scores")
@@ -194,7 +209,8 @@ def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_b
     if not (heads and tokens):
         return _NoWork()
     return KernelLaunch(kernel, (tokens, heads), threads,
-                        [topk, rank, world, query_len, global_blocks, init_blocks, local_blocks])
+                        [topk, rank, world, query_len, global_blocks, init_blocks, local_blocks],
+                        footprint=validate.Footprint([scores_a, seq_lens_a, out_a], {"out"}))
 
 
 def _table_arrays(heads, tokens, topk, requests, attention_block_table,
@@ -211,7 +227,8 @@ def _table_arrays(heads, tokens, topk, requests, attention_block_table,
         raise ValueError("attention_block_table, sparse_block_table_out and "
                          "sparse_context_lens_out go together; missing: " + ", ".join(missing))
     page_stride = PAGES if block_page_stride is None else (
-        validate.integer("block_page_stride", block_page_stride, low=0) or PAGES)
+        validate.integer("block_page_stride", block_page_stride, low=0,
+                         high=MAX_PAGE_STRIDE + 1) or PAGES)
     table = as_kernel_array(attention_block_table, "attention_block_table")
     sbt = as_kernel_array(sparse_block_table_out, "sparse_block_table_out")
     ctx = as_kernel_array(sparse_context_lens_out, "sparse_context_lens_out")
@@ -239,7 +256,9 @@ def _table_arrays(heads, tokens, topk, requests, attention_block_table,
         raise ValueError(f"sparse_context_lens_out.shape must be [heads={heads}, "
                          f"tokens={tokens}] (or [tokens] when there is one head), "
                          f"got {ctx.shape}")
-    return page_stride
+    validate.writable_output(sbt)
+    validate.writable_output(ctx)
+    return page_stride, [table, sbt, ctx]
 
 
 def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_blocks,
@@ -269,13 +288,28 @@ def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_b
     Returns:
         ``topk_idx``.
     """
-    arrays = (keys, topk_idx, seq_lens, attention_block_table, sparse_block_table_out,
-              sparse_context_lens_out)
-    scalars = (query_len, init_blocks, local_blocks, block_page_stride, method, threads,
-               sort_limit)
-    launch, pointers = _MERGE_LAUNCHES.launch_for(arrays, scalars, _plan_merge)
+    launch, arrays, pointers = _merge_launch(
+        (keys, topk_idx, seq_lens, attention_block_table, sparse_block_table_out,
+         sparse_context_lens_out),
+        (query_len, init_blocks, local_blocks, block_page_stride, method, threads, sort_limit))
     launch(arrays, stream, pointers)
     return topk_idx
+
+
+def check_merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_blocks,
+                          attention_block_table=None, sparse_block_table_out=None,
+                          sparse_context_lens_out=None, block_page_stride=None,
+                          method="auto", threads=None, sort_limit=None):
+    """Validate a :func:`merge_topk_keys` call without launching it (raises as it would)."""
+    _merge_launch(
+        (keys, topk_idx, seq_lens, attention_block_table, sparse_block_table_out,
+         sparse_context_lens_out),
+        (query_len, init_blocks, local_blocks, block_page_stride, method, threads, sort_limit))
+
+
+def _merge_launch(arrays, scalars):
+    launch, pointers = _MERGE_LAUNCHES.launch_for(arrays, scalars, _plan_merge)
+    return launch, arrays, pointers
 
 
 def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride, method,
@@ -283,8 +317,8 @@ def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride,
     keys, topk_idx, seq_lens, attention_block_table, sparse_block_table_out, \
         sparse_context_lens_out = arrays
     query_len = validate.integer("query_len", query_len, low=1)
-    init_blocks = validate.integer("init_blocks", init_blocks, low=0)
-    local_blocks = validate.integer("local_blocks", local_blocks, low=0)
+    init_blocks = validate.integer("init_blocks", init_blocks, low=0, high=MAX_PINNED + 1)
+    local_blocks = validate.integer("local_blocks", local_blocks, low=0, high=MAX_PINNED + 1)
     keys_a = as_kernel_array(keys, "keys")
     idx_a = as_kernel_array(topk_idx, "topk_idx")
     seq_lens_a = as_kernel_array(seq_lens, "seq_lens")
@@ -292,6 +326,7 @@ def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride,
     validate.ndim(keys_a, 4)
     validate.dtype(idx_a, "int32")
     validate.ndim(idx_a, 3)
+    validate.writable_output(idx_a)
     world, heads, tokens, per_shard = keys_a.shape
     validate.dim_at_least(keys_a, 0, 1, "world")
     validate.dim(idx_a, 0, heads, "heads, as in keys")
@@ -315,7 +350,12 @@ def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride,
     if not (heads and tokens):
         return _NoWork()
     scalars = [query_len, init_blocks, local_blocks]
+    inputs = [keys_a, idx_a, seq_lens_a]
+    outputs = {"topk_idx", "sparse_block_table_out", "sparse_context_lens_out"}
     if tables is None:
-        return KernelLaunch(family.merge_kernel(*shape), (tokens, heads), threads, scalars)
+        return KernelLaunch(family.merge_kernel(*shape), (tokens, heads), threads, scalars,
+                            footprint=validate.Footprint(inputs + [None] * 3, outputs))
+    page_stride, table_arrays = tables
     return KernelLaunch(family.merge_table_kernel(*shape), (tokens, heads), threads,
-                        scalars + [tables])
+                        scalars + [page_stride],
+                        footprint=validate.Footprint(inputs + table_arrays, outputs))

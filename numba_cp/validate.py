@@ -58,3 +58,56 @@ def rows(tokens: int, query_len: int, seq_lens: KernelArray) -> int:
     integer_dtype(seq_lens)
     dim_at_least(seq_lens, 0, requests, "one per request: tokens // query_len")
     return requests
+
+
+def writable_output(array: KernelArray) -> None:
+    """An output must be writable and must not alias itself (a zero stride)."""
+    if array.readonly:
+        raise ValueError(f"{array.name}: is read-only, but it is an output")
+    if 0 in array.shape:
+        return  # no elements, nothing to alias
+    for axis, (n, stride) in enumerate(zip(array.shape, array.strides or ())):
+        if n > 1 and stride == 0:
+            raise ValueError(f"{array.name}: has stride 0 on axis {axis}, so its elements "
+                             "alias each other, but it is an output")
+
+
+class Footprint:
+    """Where a call's arrays lie, to check that no output overlaps another array.
+
+    Built once per signature from the arrays' extents; :meth:`check` runs per
+    call on the data pointers (skipped when they repeat the last good call's).
+    """
+
+    def __init__(self, arrays, outputs):
+        # arrays: KernelArray or None, in the wrapper's order; outputs: their names
+        self.names = [a.name if a is not None else None for a in arrays]
+        self.extents = [a.extent() if a is not None else None for a in arrays]
+        self.outputs = [i for i, name in enumerate(self.names) if name in outputs]
+        self._checked = None
+
+    def check(self, objects, pointers):
+        pointers = tuple(pointers) if pointers is not None else tuple(map(_address, objects))
+        if pointers == self._checked:
+            return
+        spans = [None if e is None or p is None or e[0] == e[1] else (p + e[0], p + e[1])
+                 for p, e in zip(pointers, self.extents)]
+        for i in self.outputs:
+            for j, other in enumerate(spans):
+                if j == i or spans[i] is None or other is None:
+                    continue
+                if spans[i][0] < other[1] and other[0] < spans[i][1]:
+                    raise ValueError(f"{self.names[i]}: overlaps {self.names[j]} in memory; "
+                                     "an output must not share memory with another argument")
+        self._checked = pointers
+
+
+def _address(obj):
+    if obj is None:
+        return None
+    if isinstance(obj, np.ndarray):
+        return obj.__array_interface__["data"][0]
+    interface = getattr(obj, "__cuda_array_interface__", None)
+    if interface is not None:
+        return interface["data"][0]
+    return None

@@ -149,16 +149,28 @@ def test_one_plan_serves_several_token_counts_with_one_transport():
             plan(to_device(np.zeros((3, 8, 20), np.float32)), to_device(np.ones(4, np.int32)))
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(world=2), "world is 2 but the communicator has 1 ranks"),
-    (dict(topk=0), "topk must be >= 1"),
-    (dict(max_tokens=3), "multiple of query_len"),
-    (dict(global_blocks=70000), "global_blocks"),
-    (dict(merge="some"), "merge must be"),
+@pytest.mark.parametrize("change, error, message", [
+    (dict(topk=0), ValueError, r"ExchangeConfig.topk must be in \[1, 2049\), got 0"),
+    (dict(max_tokens=3), ValueError, "multiple of query_len"),
+    (dict(global_blocks=70000), ValueError, "ExchangeConfig.global_blocks"),
+    (dict(merge="some"), ValueError, "ExchangeConfig.merge must be"),
+    (dict(heads=True), TypeError, "ExchangeConfig.heads must be an integer, got bool"),
+    (dict(global_blocks=8.5), TypeError, "ExchangeConfig.global_blocks must be an integer"),
+    (dict(heads="1"), TypeError, "ExchangeConfig.heads must be an integer, got str"),
+    (dict(query_len=0), ValueError, "ExchangeConfig.query_len must be >= 1"),
+    (dict(sparse_table="no"), TypeError, "ExchangeConfig.sparse_table must be a bool"),
+    (dict(block_page_stride=-3), ValueError, "ExchangeConfig.block_page_stride"),
+    (dict(block_page_stride=2**40), ValueError, "ExchangeConfig.block_page_stride"),
+    (dict(local_blocks=2**31), ValueError, "ExchangeConfig.local_blocks"),
 ])
-def test_plan_rejects_bad_configuration(change, message):
-    with pytest.raises(RankAgreementError, match=message):
-        CandidateExchange(MPI.COMM_SELF, small_config(**change))
+def test_configuration_is_checked_when_made(change, error, message):
+    with pytest.raises(error, match=message):
+        small_config(**change)
+
+
+def test_plan_rejects_a_world_other_than_the_communicators():
+    with pytest.raises(RankAgreementError, match="world is 2 but the communicator has 1 rank"):
+        CandidateExchange(MPI.COMM_SELF, small_config(world=2))
 
 
 def test_plan_rejects_misused_table_and_token_counts():

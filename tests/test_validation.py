@@ -150,3 +150,83 @@ def test_wrong_kind_of_memory():
         wrong = np.zeros((H, T, LOCAL), np.float32)
     with pytest.raises(TypeError, match="scores"):
         numba_cp.local_topk_keys(**pack_args(scores=wrong))
+
+
+# -- outputs: writable, not aliasing themselves or another argument ----------------------
+
+sim_only = pytest.mark.skipif(not numba_cp.backend.TARGET.simulator,
+                              reason="builds read-only and aliasing NumPy views")
+
+
+@sim_only
+def test_read_only_outputs_are_rejected_by_name():
+    out = np.zeros((H, T, TOPK), np.int64)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="^out: is read-only"):
+        numba_cp.local_topk_keys(**pack_args(out=out))
+    idx = np.zeros((H, T, TOPK), np.int32)
+    idx.flags.writeable = False
+    with pytest.raises(ValueError, match="^topk_idx: is read-only"):
+        numba_cp.merge_topk_keys(**merge_args(topk_idx=idx))
+
+
+@sim_only
+def test_zero_stride_outputs_are_rejected_by_name():
+    row = np.zeros((1, T, TOPK), np.int64)
+    out = np.lib.stride_tricks.as_strided(row, (H, T, TOPK), (0,) + row.strides[1:],
+                                          writeable=True)
+    with pytest.raises(ValueError, match="^out: has stride 0 on axis 0"):
+        numba_cp.local_topk_keys(**pack_args(out=out))
+
+
+@sim_only
+def test_outputs_overlapping_an_argument_are_rejected_by_name():
+    table = np.zeros((H, T, TOPK * 8), np.int32)
+    with pytest.raises(ValueError, match="^topk_idx: overlaps sparse_block_table_out"):
+        numba_cp.merge_topk_keys(**merge_args(topk_idx=table[:, :, :TOPK]),
+                                 **table_args(sparse_block_table_out=table))
+    idx = np.zeros((H, T, TOPK), np.int32)
+    with pytest.raises(ValueError, match="^topk_idx: overlaps seq_lens"):
+        numba_cp.merge_topk_keys(**merge_args(topk_idx=idx, seq_lens=idx[0, :, 0]))
+    keys = np.zeros((2, H, T, TOPK), np.int64)
+    with pytest.raises(ValueError, match="^out: overlaps scores"):
+        numba_cp.local_topk_keys(**pack_args(
+            scores=keys[0].view(np.float32)[:, :, :LOCAL], out=keys[0]))
+    # the same signature with disjoint buffers is accepted: the check is per call
+    numba_cp.local_topk_keys(**pack_args(scores=np.zeros((H, T, 2 * TOPK), np.float32)[..., :LOCAL],
+                                         out=keys[1]))
+
+
+def test_block_page_stride_must_fit_int32():
+    with pytest.raises(ValueError, match="block_page_stride"):
+        numba_cp.merge_topk_keys(**merge_args(), **table_args(), block_page_stride=2**40)
+
+
+@pytest.mark.parametrize("dtype, values", [
+    (np.int64, [2**63 - 1, 2**40 + 5, 300, 0]),
+    (np.uint64, [2**64 - 1, 2**63, 129, 5]),
+    (np.uint32, [2**32 - 1, 129, 0, 1]),
+    (np.int8, [127, -128, 1, 0])])
+def test_any_integer_seq_lens_select_as_the_oracle(dtype, values):
+    """Context lengths near an integer type's limits select exactly, not as garbage."""
+    from numba_cp import reference as ref
+    from support import to_host
+
+    world, global_blocks = 2, 20
+    full = np.random.default_rng(3).standard_normal((H, T, global_blocks)).astype(np.float32)
+    seq_lens = np.array(values, dtype)
+    keys = np.zeros((world, H, T, TOPK), np.int64)
+    for rank in range(world):
+        shard = ref.shard_scores(full, rank=rank, world=world, global_blocks=global_blocks)
+        out = to_device(np.zeros((H, T, TOPK), np.int64))
+        numba_cp.local_topk_keys(**pack_args(scores=to_device(shard), seq_lens=to_device(seq_lens),
+                                             rank=rank, world=world, global_blocks=global_blocks,
+                                             out=out))
+        keys[rank] = to_host(out)
+    idx = to_device(np.zeros((H, T, TOPK), np.int32))
+    numba_cp.merge_topk_keys(**merge_args(keys=to_device(keys), topk_idx=idx,
+                                          seq_lens=to_device(seq_lens)))
+    want = ref.global_topk(full, [int(v) for v in values], topk=TOPK,
+                           global_blocks=global_blocks, query_len=1, init_blocks=1,
+                           local_blocks=1)
+    np.testing.assert_array_equal(to_host(idx), want)

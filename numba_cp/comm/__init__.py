@@ -15,8 +15,9 @@ name           class                           moves bytes by
 :mod:`.choose` picks one transport, the same on every rank.
 """
 
-from .base import TRANSPORTS, Transport, agree, register_transport
-from .choose import (TRANSPORT_ENV, Probes, choose_transport, ipc_verdict,
+from .base import (TIMEOUT_ENV, TRANSPORTS, Transport, agree, barrier, collective_timeout,
+                   describe_problem, register_transport)
+from .choose import (TRANSPORT_ENV, Probes, checked_request, choose_transport, ipc_verdict,
                      requested_transport, takes_device_arrays)
 from .gpu_aware import GPU_AWARE_ENV, gpu_aware_mpi
 from .ipc import IPCAllGather
@@ -24,6 +25,7 @@ from .mpi import DeviceMPI, HostMPI, StagedMPI
 from .nccl import NCCLAllGather
 
 __all__ = ["Transport", "HostMPI", "DeviceMPI", "StagedMPI", "IPCAllGather", "NCCLAllGather",
-           "TRANSPORTS", "register_transport", "agree", "choose_transport", "Probes",
+           "TRANSPORTS", "register_transport", "agree", "barrier", "describe_problem",
+           "collective_timeout", "choose_transport", "checked_request", "Probes",
            "ipc_verdict", "requested_transport", "takes_device_arrays", "gpu_aware_mpi",
-           "GPU_AWARE_ENV", "TRANSPORT_ENV"]
+           "GPU_AWARE_ENV", "TRANSPORT_ENV", "TIMEOUT_ENV"]

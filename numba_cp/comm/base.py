@@ -23,14 +23,29 @@ The per-call checks are local and raise before any communication.
 
 from __future__ import annotations
 
+import os
+import pickle
+import time
+
 import numpy as np
 
 from ..arrays import as_kernel_array, byte_range
 from ..backend import TARGET
-from ..errors import RankAgreementError
+from ..errors import CollectiveTimeoutError, RankAgreementError
 
 __all__ = ["Transport", "TRANSPORTS", "register_transport", "agree", "describe_problem",
-           "mpi"]
+           "mpi", "collective_timeout", "wait_for", "allgather_objects", "barrier",
+           "TIMEOUT_ENV"]
+
+TIMEOUT_ENV = "NUMBA_CP_TIMEOUT"
+# The longest a host-side collective may wait for its peers. Ranks reach a
+# collective apart by their skew, which is microseconds in steady state but can
+# be a first call's kernel compilation: seconds on a GPU, tens of seconds on
+# the simulator, whose ranks may share few cores.
+DEFAULT_TIMEOUT_S = 300.0 if TARGET.simulator else 60.0
+
+
+SPIN_S = 1e-3  # poll without sleeping this long: a sleep costs ~60 us of latency
 
 
 def mpi():
@@ -38,6 +53,66 @@ def mpi():
     from mpi4py import MPI
 
     return MPI
+
+
+def collective_timeout() -> float:
+    """Seconds a collective waits for its peers: ``NUMBA_CP_TIMEOUT``, else the default."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def wait_for(comm, request, what: str):
+    """Complete a nonblocking MPI ``request``, or raise CollectiveTimeoutError.
+
+    Polls with short sleeps, so a rank waiting for a slow peer leaves the
+    cores to ranks that share them.
+    """
+    if request.Test():
+        return
+    timeout = collective_timeout()
+    start = time.monotonic()
+    while not request.Test():
+        waited = time.monotonic() - start
+        if waited > SPIN_S:  # past the steady-state skew: give the cores away
+            time.sleep(min(1e-3, waited / 8))
+        if waited > timeout:
+            raise CollectiveTimeoutError(
+                f"{what}: rank {comm.Get_rank()} waited {waited:.1f} s for the other ranks "
+                f"of {comm.Get_size()}; a rank failed or made a different number of calls "
+                f"({TIMEOUT_ENV}={timeout:g} s)")
+
+
+def allgather_objects(comm, obj, what: str) -> list:
+    """``comm.allgather(obj)`` with a bounded wait (two nonblocking collectives).
+
+    A communicator without nonblocking collectives (a stand-in) is asked with
+    its own ``allgather``.
+    """
+    if not hasattr(comm, "Iallgatherv"):
+        return comm.allgather(obj)
+    MPI = mpi()
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = np.zeros(comm.Get_size(), np.int64)
+    wait_for(comm, comm.Iallgather(np.array([data.size], np.int64), sizes), what)
+    gathered = np.empty(int(sizes.sum()), np.uint8)
+    displacements = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    wait_for(comm, comm.Iallgatherv(data, [gathered, sizes, displacements, MPI.BYTE]), what)
+    return [pickle.loads(gathered[d:d + n].tobytes()) for d, n in zip(displacements, sizes)]
+
+
+def barrier(comm, what: str):
+    """``comm.Barrier()`` with a bounded wait (a stand-in communicator's own Barrier)."""
+    if not hasattr(comm, "Ibarrier"):
+        return comm.Barrier()
+    wait_for(comm, comm.Ibarrier(), what)
 
 
 def describe_problem(exc: BaseException) -> str:
@@ -58,7 +133,7 @@ def agree(comm, what: str, *, problem: str | None = None, values: dict | None = 
     runs and every rank raises :class:`RankAgreementError` naming ``what``,
     the ranks and the fields. Otherwise returns every rank's ``payload``.
     """
-    everyone = comm.allgather((problem, values or {}, payload))
+    everyone = allgather_objects(comm, (problem, values or {}, payload), what)
     failures = [(rank, p) for rank, (p, _, _) in enumerate(everyone) if p]
     message = ""
     if failures:
@@ -139,7 +214,8 @@ class Transport:
         dims, problem = _shape_problem(shape)
         dtype, dtype_problem = _dtype_problem(dtype)
         agree(self.comm, f"{self.name} setup", problem=problem or dtype_problem,
-              values={"the all-gather buffer (every rank must set up the same shape and "
+              values={"the transport": self.name,
+                      "the all-gather buffer (every rank must set up the same shape and "
                       "dtype)": (dims, None if dtype is None else dtype.str)})
         self.shape = dims
         self.dtype = dtype
@@ -152,10 +228,17 @@ class Transport:
             raise
         return self
 
-    def teardown(self):
-        """Release what :meth:`setup` took; safe to call twice. Local (not collective)."""
+    def teardown(self, *, collective: bool = True):
+        """Release what :meth:`setup` took; safe to call twice.
+
+        Collective by default: every rank waits (bounded) until all are done
+        with the buffers, since peers may still write into a rank's memory.
+        ``collective=False`` releases at once, for a rank that is failing.
+        """
         if self.is_setup:
             try:
+                if collective:
+                    barrier(self.comm, f"{self.name} teardown")
                 self._teardown()
             finally:
                 self.shape = self.dtype = None
@@ -177,8 +260,8 @@ class Transport:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc_info):
-        self.teardown()
+    def __exit__(self, kind, value, traceback):
+        self.teardown(collective=kind is None)  # a failing rank must not wait for peers
         return False
 
     def __repr__(self):

@@ -21,12 +21,12 @@ from typing import Callable
 
 from ..backend import TARGET
 from . import ipc
-from .base import TRANSPORTS, Transport, mpi
+from .base import TRANSPORTS, Transport, allgather_objects, mpi
 from .gpu_aware import gpu_aware_mpi
 from .mpi import DeviceMPI, HostMPI, StagedMPI
 
 __all__ = ["Probes", "choose_transport", "ipc_verdict", "requested_transport",
-           "takes_device_arrays", "TRANSPORT_ENV"]
+           "checked_request", "takes_device_arrays", "TRANSPORT_ENV"]
 
 TRANSPORT_ENV = "NUMBA_CP_TRANSPORT"
 
@@ -73,6 +73,23 @@ def requested_transport(force: str | None = None) -> tuple[str | None, str]:
     return (env, TRANSPORT_ENV) if env else (None, "")
 
 
+def checked_request(force: str | None, device: bool) -> str | None:
+    """The transport name asked for (``force`` or ``NUMBA_CP_TRANSPORT``), checked:
+    None when none is, ValueError when it is unknown or takes the other kind of array."""
+    force, source = requested_transport(force)
+    if force is None:
+        return None
+    cls = TRANSPORTS.get(str(force).strip().lower())
+    if cls is None:
+        raise ValueError(f"{source}={force!r}: unknown transport; choose one of "
+                         f"{', '.join(sorted(TRANSPORTS))}")
+    if cls.device != bool(device):
+        kind = "device" if cls.device else "host NumPy"
+        raise ValueError(f"{source}={force!r}: the {cls.name} transport takes {kind} "
+                         f"arrays but device={bool(device)} was asked for")
+    return cls.name
+
+
 def takes_device_arrays(force: str | None = None) -> bool | None:
     """Whether the requested transport takes device arrays; None if none (or no such) is named."""
     name, _ = requested_transport(force)
@@ -106,7 +123,8 @@ def ipc_verdict(comm, probes: Probes = Probes()) -> tuple[bool, str]:
     ok, why = probes.ipc_local()
     identity = probes.gpu_identity() if ok else None
     shared = probes.shared_node(comm)
-    everyone = comm.allgather((bool(ok), str(why), identity, probes.host_name()))
+    everyone = allgather_objects(comm, (bool(ok), str(why), identity, probes.host_name()),
+                                 "choosing the transport")
     hosts = sorted({host for *_, host in everyone})
     if not shared:
         return False, f"the ranks span more than one node ({', '.join(hosts)})"
@@ -114,7 +132,7 @@ def ipc_verdict(comm, probes: Probes = Probes()) -> tuple[bool, str]:
     if failures:
         return False, _summarise(failures)
     reachable, how = probes.peer_access([identity for _, _, identity, _ in everyone])
-    verdicts = comm.allgather((bool(reachable), str(how)))
+    verdicts = allgather_objects(comm, (bool(reachable), str(how)), "choosing the transport")
     failures = [(rank, w) for rank, (o, w) in enumerate(verdicts) if not o]
     if failures:
         return False, _summarise(failures)
@@ -131,17 +149,10 @@ def choose_transport(comm, *, device: bool, force: str | None = None,
     of array ``device`` says. Otherwise the order in the module docstring
     decides; with ``device=True`` and more than one rank that is collective.
     """
-    force, source = requested_transport(force)
-    if force is not None:
-        cls = TRANSPORTS.get(str(force).strip().lower())
-        if cls is None:
-            raise ValueError(f"{source}={force!r}: unknown transport; choose one of "
-                             f"{', '.join(sorted(TRANSPORTS))}")
-        if cls.device != bool(device):
-            kind = "device" if cls.device else "host NumPy"
-            raise ValueError(f"{source}={force!r}: the {cls.name} transport takes {kind} "
-                             f"arrays but device={bool(device)} was asked for")
-        transport = cls(comm)
+    name = checked_request(force, device)
+    if name is not None:
+        force, source = requested_transport(force)
+        transport = TRANSPORTS[name](comm)
         transport.reason = f"forced by {source}={force}"
         return transport
     if not device:

@@ -28,6 +28,7 @@ one process):
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import secrets
@@ -43,15 +44,15 @@ from ..kernels import ipc as K
 from .base import Transport, agree, describe_problem, register_transport
 
 __all__ = ["IPCLayout", "CudaIPCMemory", "HostIPCMemory", "IPCEngine", "IPCAllGather",
-           "ipc_memory", "local_probe", "gpu_identity", "peer_access", "SPIN_LIMIT",
-           "SPIN_LIMIT_ENV", "spin_limit_from_env"]
+           "ipc_memory", "local_probe", "gpu_identity", "peer_access", "TIMEOUT_ENV",
+           "DEFAULT_TIMEOUT_S", "timeout_from_env"]
 
-SPIN_LIMIT_ENV = "NUMBA_CP_IPC_SPIN_LIMIT"
-# Polls before a wait gives up. On a GPU one poll is a system-scope load plus a
-# ~64 ns nap (well under a microsecond), so 2**28 polls is minutes: far beyond
-# any legitimate skew between ranks (a rank that is only preempted does not
-# poll), yet a dead peer does not hang the job forever.
-SPIN_LIMIT = 1 << 28
+TIMEOUT_ENV = "NUMBA_CP_IPC_TIMEOUT"
+# Seconds a device-side wait polls for its peers before it gives up. Far beyond
+# the skew between ranks in steady state (microseconds), yet a dead peer costs
+# seconds, not a hung job. The first gathers after setup wait for the peers'
+# first kernel compilations too, which take tens of seconds on the simulator.
+DEFAULT_TIMEOUT_S = 60.0 if TARGET.simulator else 5.0
 
 ALIGN = 256  # byte alignment of the flag area and of every payload slot
 VIEW_CACHE = 64
@@ -161,8 +162,29 @@ class CudaIPCMemory:
         """A zeroed device array only this rank uses (the control words)."""
         return cuda.to_device(np.zeros(count, dtype))
 
+    def mapped_zeros(self, count: int, dtype):
+        """Zeroed host memory the device writes and the host reads with no sync."""
+        words = cuda.mapped_array(count, dtype)
+        words[:] = 0
+        return words
+
     def synchronize(self):
         self.runtime.deviceSynchronize()
+
+
+# Files created but not yet unlinked: removed at exit too, so that a rank that
+# fails during setup (before its peers opened the file) leaves nothing in /dev/shm.
+_UNPUBLISHED: set = set()
+
+
+@atexit.register
+def _remove_unpublished():
+    for path in list(_UNPUBLISHED):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    _UNPUBLISHED.clear()
 
 
 class HostIPCMemory:
@@ -191,6 +213,7 @@ class HostIPCMemory:
             os.unlink(path)
             raise
         os.close(fd)
+        _UNPUBLISHED.add(path)
         array = np.frombuffer(mapping, dtype=np.uint8)
         region = _Region(self, array.__array_interface__["data"][0], nbytes, owned=True,
                          keep=[mapping, array, path])
@@ -220,6 +243,7 @@ class HostIPCMemory:
         path = region.keep[2]
         if region.owned and path is not None:
             region.keep[2] = None
+            _UNPUBLISHED.discard(path)
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -240,6 +264,8 @@ class HostIPCMemory:
 
     def private_zeros(self, count: int, dtype):
         return cuda.to_device(np.zeros(count, dtype))
+
+    mapped_zeros = private_zeros  # simulated device memory is host memory
 
     def synchronize(self):
         pass  # simulated kernels have finished when their launch returns
@@ -325,17 +351,22 @@ class IPCEngine:
         regions: ``world`` regions: ``regions[q]`` is rank ``q``'s exchange
             buffer as mapped in this process (``regions[rank]`` its own).
         ctrl: this rank's private int64 control words (``CTRL_WORDS``, zeroed).
-        spin_limit: polls before a wait gives up.
+        errors: this rank's int64 error words (``ERROR_WORDS``, zeroed), in
+            memory the host reads without a synchronisation.
+        timeout: seconds a wait polls before it gives up.
     """
 
-    def __init__(self, rank, world, layout, regions, ctrl, *, spin_limit=SPIN_LIMIT):
+    def __init__(self, rank, world, layout, regions, ctrl, errors, *,
+                 timeout=DEFAULT_TIMEOUT_S):
         if len(regions) != world:
             raise ValueError(f"{len(regions)} regions for {world} ranks")
-        if int(spin_limit) < 1:
-            raise ValueError(f"spin_limit must be >= 1, got {spin_limit}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.rank, self.world, self.layout = int(rank), int(world), layout
         self.ctrl = ctrl
-        self.spin_limit = int(spin_limit)
+        self.errors = errors
+        self.timeout = float(timeout)
+        self.timeout_ns = int(self.timeout * 1e9)
         L = layout
         self.flags = [r.view(0, L.flag_words, np.int64) for r in regions]
         self.data = {unit: [r.view(L.flag_bytes, L.data_bytes // unit, f"u{unit}")
@@ -390,8 +421,8 @@ class IPCEngine:
         threads = TARGET.ipc_threads
         blocks = max(1, min(TARGET.ipc_copy_blocks, -(-(self.world * count) // threads)))
         K.ipc_wait_copy_kernel[blocks, threads, stream](
-            self.ctrl, self.own_flags, self.data[unit][self.rank], recv, count,
-            self.layout.slot_bytes // unit, self.world, self.spin_limit)
+            self.ctrl, self.own_flags, self.data[unit][self.rank], recv, self.errors, count,
+            self.layout.slot_bytes // unit, self.world, self.timeout_ns)
 
     def all_gather(self, send, recv, nbytes, unit, stream):
         """Queue one gather of ``nbytes`` per rank (at most the layout's)."""
@@ -412,16 +443,17 @@ class IPCEngine:
                     flags=[int(x) for x in flags[:-1]])
 
 
-def spin_limit_from_env(default: int = SPIN_LIMIT) -> int:
-    raw = os.environ.get(SPIN_LIMIT_ENV, "").strip()
+def timeout_from_env(default: float = DEFAULT_TIMEOUT_S) -> float:
+    """Seconds a device-side wait polls: ``NUMBA_CP_IPC_TIMEOUT``, else ``default``."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
     if not raw:
         return default
     try:
-        value = int(raw, 0)
+        value = float(raw)
     except ValueError:
-        raise ValueError(f"{SPIN_LIMIT_ENV}={raw!r}: expected a positive integer") from None
-    if value < 1:
-        raise ValueError(f"{SPIN_LIMIT_ENV}={raw!r}: expected a positive integer")
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
     return value
 
 
@@ -443,25 +475,26 @@ class IPCAllGather(Transport):
 
     Args:
         comm: ranks that all run on one node.
-        spin_limit: polls before a wait gives up (default
-            ``NUMBA_CP_IPC_SPIN_LIMIT`` or :data:`SPIN_LIMIT`); a
-            wait that gives up records an error that :meth:`check` raises.
+        timeout: seconds a device-side wait polls for its peers before it gives
+            up (default ``NUMBA_CP_IPC_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`).
+            A wait that gives up poisons the peers and writes host-mapped error
+            words: :meth:`failure` reads them without a synchronisation.
 
     Under the simulator (when forced) the buffers are host shared memory
     (:class:`HostIPCMemory`) and the same kernels run on it.
-    :meth:`teardown` is local: it waits for this rank's device work, closes the
-    peers' handles and frees its own buffer.
+    :meth:`teardown` is collective: after every rank is done with the buffers,
+    each waits for its device work, closes the peers' handles and frees its own.
     """
 
     name = "ipc"
     device = True
     capturable = True
 
-    def __init__(self, comm, *, spin_limit: int | None = None):
+    def __init__(self, comm, *, timeout: float | None = None):
         super().__init__(comm)
-        self.spin_limit = spin_limit_from_env() if spin_limit is None else int(spin_limit)
-        if self.spin_limit < 1:
-            raise ValueError(f"spin_limit must be >= 1, got {spin_limit}")
+        self.timeout = timeout_from_env() if timeout is None else float(timeout)
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.layout = None
         self.engine = None
         self._memory = None
@@ -475,12 +508,13 @@ class IPCAllGather(Transport):
             return  # every rank agreed on the shape: nothing ever moves
         regions = [None] * world
         self._regions = regions
-        problem = handle = ctrl = None
+        problem = handle = ctrl = errors = None
         try:
             self._memory = memory = ipc_memory()
             regions[rank] = memory.allocate(layout.total_bytes)
             handle = memory.handle(regions[rank])
             ctrl = memory.private_zeros(K.CTRL_WORDS, np.int64)
+            errors = memory.mapped_zeros(K.ERROR_WORDS, np.int64)
             memory.synchronize()
         except Exception as exc:
             problem = describe_problem(exc)
@@ -491,8 +525,8 @@ class IPCAllGather(Transport):
             for peer in range(world):
                 if peer != rank:  # a process cannot open its own IPC handle
                     regions[peer] = memory.open(handles[peer], layout.total_bytes)
-            engine = IPCEngine(rank, world, layout, regions, ctrl,
-                                    spin_limit=self.spin_limit)
+            engine = IPCEngine(rank, world, layout, regions, ctrl, errors,
+                               timeout=self.timeout)
         except Exception as exc:
             problem = describe_problem(exc)
         agree(comm, "ipc setup (opening the peers' exchange buffers)", problem=problem,
@@ -539,6 +573,22 @@ class IPCAllGather(Transport):
         engine.all_gather(flat_send, flat_recv, nbytes, unit, resolve_stream(stream))
         return recv
 
+    def failure(self) -> str | None:
+        """Why gathers on this rank are unreliable, or None; reads host-mapped error
+        words, so it costs no synchronisation (the plan asks before every call)."""
+        engine = self.engine
+        if engine is None:
+            return None
+        errors = engine.errors
+        rank = self.comm.Get_rank()
+        if errors[K.GAVE_UP_EPOCH]:
+            return (f"ipc rank {rank}: call {int(errors[K.GAVE_UP_EPOCH])} gave up waiting "
+                    f"for rank {int(errors[K.GAVE_UP_PEER]) - 1} after {self.timeout:g} s")
+        if errors[K.POISONED_BY]:
+            return (f"ipc rank {rank}: rank {int(errors[K.POISONED_BY]) - 1} gave up waiting "
+                    "for a peer")
+        return None
+
     # -- inspection (host synchronisation: not for the hot path) ------------------
 
     def state(self) -> dict:
@@ -560,7 +610,7 @@ class IPCAllGather(Transport):
         if state["error_epoch"]:
             raise IPCTimeoutError(
                 f"ipc rank {rank}: call {state['error_epoch']} gave up waiting for rank "
-                f"{state['error_peer']} after {self.spin_limit} polls; results from that "
+                f"{state['error_peer']} after {self.timeout:g} s; results from that "
                 "call on are unreliable")
         if state["poisoned_by"] >= 0:
             raise IPCTimeoutError(

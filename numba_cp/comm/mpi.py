@@ -20,14 +20,14 @@ import numpy as np
 
 from ..arrays import device_view, resolve_stream, synchronize
 from ..backend import TARGET, cuda
-from .base import Transport, mpi, register_transport
+from .base import Transport, mpi, register_transport, wait_for
 
 __all__ = ["HostMPI", "DeviceMPI", "StagedMPI"]
 
 
-def _allgather_bytes(comm, send, recv):
+def _allgather_bytes(comm, send, recv, name):
     byte = mpi().BYTE
-    comm.Allgather([send, byte], [recv, byte])
+    wait_for(comm, comm.Iallgather([send, byte], [recv, byte]), f"{name} all-gather")
 
 
 @register_transport
@@ -39,7 +39,7 @@ class HostMPI(Transport):
 
     def _all_gather(self, send, recv, stream):
         self._host_pair(send, recv)
-        _allgather_bytes(self.comm, send, recv)
+        _allgather_bytes(self.comm, send, recv, self.name)
         return recv
 
 
@@ -65,7 +65,7 @@ class DeviceMPI(Transport):
         (send_view, recv_view), (send_range, recv_range) = self._device_pair(send, recv)
         synchronize(resolve_stream(stream))
         _allgather_bytes(self.comm, self._buffer(send_view, send_range),
-                         self._buffer(recv_view, recv_range))
+                         self._buffer(recv_view, recv_range), self.name)
         return recv
 
 
@@ -114,7 +114,7 @@ class StagedMPI(Transport):
         if self._pending:  # the last call's pinned -> device copy, maybe on another stream
             self._copied.synchronize()
             self._pending = False
-        _allgather_bytes(self.comm, send_host, recv_host)
+        _allgather_bytes(self.comm, send_host, recv_host, self.name)
         if nbytes:
             recv_view.copy_to_device(recv_host, stream=stream)
             self._copied.record(stream)

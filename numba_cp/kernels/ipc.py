@@ -19,7 +19,7 @@ caller's stream, none of which the host waits for or decides anything from:
    and, from the grid's last block, stores ``e`` into ``flags[rank]`` of every
    peer (release).
 3. :func:`ipc_wait_copy_kernel` -- every block waits until each own
-   ``flags[q] >= e`` (acquire), bounded by ``spin_limit`` polls, then copies
+   ``flags[q] >= e`` (acquire), for at most ``timeout_ns`` of wall clock, then copies
    ``data[e & 1]`` into ``recv``.
 
 Why two halves (double buffering by epoch parity) and ``>=`` and not a second
@@ -38,16 +38,20 @@ peer looked at it, hence the wait for ``flags[q] >= e`` (flags only grow, and
 int64 never wraps) rather than ``== e``; the payload of call ``e`` in half
 ``e & 1`` is still intact then, as shown above.
 
-Failure: a wait that polls ``spin_limit`` times without seeing every flag
-gives up instead of hanging: it records ``ERR_EPOCH`` (the call) and
-``ERR_PEER`` (rank + 1 of the first missing peer) once, and stops waiting on
-every later call. Its next push first stores ``rank + 1`` into every peer's
+Failure: a wait that has not seen every flag after ``timeout_ns`` of wall
+clock (the GPU's global timer; ``NUMBA_CP_IPC_TIMEOUT`` seconds) gives up
+instead of hanging: it records ``ERR_EPOCH`` (the call) and ``ERR_PEER``
+(rank + 1 of the first missing peer) once, and stops waiting on every later
+call. It also writes them to the rank's *error words*, host memory mapped into
+the device, so the host sees the failure before its next call without a
+synchronisation, and raises there. Its next push first stores ``rank + 1`` into every peer's
 ``flags[world]`` (poison, before any data of that call), since giving up
 breaks the one-call-ahead bound and a later push may overwrite a half a slow
-peer still reads; peers that see poison stop waiting too, so no rank spins
-for long once one has given up. The host reads the error words with
-:meth:`~numba_cp.comm.ipc.IPCAllGather.check` (a host synchronisation, so
-outside the hot path): data gathered from the failing call on is garbage.
+peer still reads; peers that see poison stop waiting too and record it in their own
+error words, so no rank spins for long once one has given up, and every rank
+that saw it refuses its next call. Data gathered from the failing call on is
+garbage; :meth:`~numba_cp.comm.ipc.IPCAllGather.check` reads the full state
+(a host synchronisation, outside the hot path).
 
 Calls of one transport must be ordered (one stream, or the caller orders
 the streams); :data:`COUNTER` and the epoch assume it.
@@ -55,10 +59,11 @@ the streams); :data:`COUNTER` and the epoch assume it.
 Memory ordering, per backend (the helpers live in :mod:`.primitives`, like every
 per-target primitive; nothing here differs between targets):
 ``cuda`` polls with ``ld.acquire.sys`` and signals with ``st.release.sys``
-(inline PTX, sm_70+), fences with ``membar.sys`` (``cuda.threadfence_system``)
-and naps with ``nanosleep`` while polling; ``hip`` uses LLVM ``load atomic
-acquire`` / ``store atomic release`` / ``fence seq_cst`` (LLVM's default scope
-is the whole system) and ``s_sleep``, as intrinsics, since numba-hip's
+(inline PTX, sm_70+), fences with ``membar.sys`` (``cuda.threadfence_system``),
+naps with ``nanosleep`` while polling and reads ``%globaltimer`` for the
+timeout; ``hip`` uses LLVM ``load atomic acquire`` / ``store atomic release``
+/ ``fence seq_cst`` (LLVM's default scope is the whole system), ``s_sleep``
+and ``s_memrealtime`` (100 MHz), as intrinsics, since numba-hip's
 ``cuda.atomic.*`` do not type on array elements; the simulator uses plain
 NumPy loads and stores (each flag has a single writer) and sleeps briefly
 while polling so that ranks sharing a CPU core make progress. The control
@@ -73,10 +78,12 @@ from numba import int64
 
 from ..backend import cuda
 from .params import WORD, Array, declare, scalars
-from .primitives import ctrl_add, ctrl_cas, fence_system, flag_load, flag_store, spin_pause
+from .primitives import (clock_ns, ctrl_add, ctrl_cas, fence_system, flag_load, flag_store,
+                         spin_pause)
 
 __all__ = [
     "EPOCH", "COUNTER", "ERR_EPOCH", "ERR_PEER", "CTRL_WORDS", "GROUP",
+    "GAVE_UP_EPOCH", "GAVE_UP_PEER", "POISONED_BY", "ERROR_WORDS",
     "slot_base",
     "ipc_bump_kernel", "ipc_push_kernel", "ipc_wait_copy_kernel",
 ]
@@ -87,6 +94,12 @@ COUNTER = 1  # blocks of the current push launch that are done (last-block patte
 ERR_EPOCH = 2  # the first call whose wait timed out (0: none)
 ERR_PEER = 3  # 1 + the peer that call was still waiting for
 CTRL_WORDS = 8
+
+# error words (host-readable without a synchronisation: mapped host memory)
+GAVE_UP_EPOCH = 0  # the call whose wait on this rank gave up (0: none)
+GAVE_UP_PEER = 1  # 1 + the peer it was waiting for
+POISONED_BY = 2  # 1 + a peer that gave up, as a wait on this rank saw it (0: none)
+ERROR_WORDS = 4
 
 GROUP = 8  # peers one push launch serves (kernel arguments d0..d7, f0..f7)
 
@@ -100,8 +113,8 @@ PUSH_PARAMS = (_CTRL, Array("send", WORD, 1, "C"),
                *(Array(f"d{i}", WORD, 1, "C") for i in range(GROUP)),
                *(_WORDS._replace(name=f"f{i}") for i in range(GROUP)))
 WAIT_COPY_PARAMS = (_CTRL, _WORDS._replace(name="flags"), Array("data", WORD, 1, "C"),
-                    Array("recv", WORD, 1, "C"),
-                    *scalars("count", "slot", "world", "spin_limit"))
+                    Array("recv", WORD, 1, "C"), _WORDS._replace(name="errors"),
+                    *scalars("count", "slot", "world", "timeout_ns"))
 
 
 def slot_base(epoch, world, rank, slot):
@@ -210,29 +223,39 @@ def ipc_push_kernel(ctrl, send, count, slot, world, rank, npeers,
 
 
 @cuda.jit(device=True)
-def _wait_all(ctrl, flags, world, e, spin_limit):
-    """Poll until every ``flags[q] >= e``; give up after ``spin_limit`` polls."""
-    polls = 0
+def _wait_all(ctrl, flags, errors, world, e, timeout_ns):
+    """Poll until every ``flags[q] >= e``; give up after ``timeout_ns`` of wall clock.
+
+    Giving up, or seeing a peer's poison, is written to ``errors`` (host-mapped),
+    which the host reads before its next call without synchronising.
+    """
+    start = clock_ns()
     for q in range(world):
         while flag_load(flags, q) < e:
-            if ctrl[ERR_EPOCH] != 0 or flag_load(flags, world) != 0:
-                return  # this rank or a peer gave up before: results are marked bad
-            polls += 1
-            if polls >= spin_limit:
+            if ctrl[ERR_EPOCH] != 0:
+                return  # this rank gave up before: results are marked bad
+            poison = flag_load(flags, world)
+            if poison != 0:
+                if errors[POISONED_BY] == 0:
+                    flag_store(errors, POISONED_BY, poison)
+                return  # a peer gave up: stop waiting too
+            if clock_ns() - start > timeout_ns:
                 if ctrl_cas(ctrl, ERR_EPOCH, int64(0), e) == 0:
                     ctrl[ERR_PEER] = q + 1
+                    flag_store(errors, GAVE_UP_PEER, q + 1)
+                    flag_store(errors, GAVE_UP_EPOCH, e)
                 return
             spin_pause()
 
 
 @cuda.jit
 @declare(*WAIT_COPY_PARAMS)
-def ipc_wait_copy_kernel(ctrl, flags, data, recv, count, slot, world, spin_limit):
+def ipc_wait_copy_kernel(ctrl, flags, data, recv, errors, count, slot, world, timeout_ns):
     """Wait for every peer's payload of this call, then ``data[e & 1] -> recv``."""
     tid = cuda.threadIdx.x
     e = ctrl[EPOCH]
     if tid == 0:
-        _wait_all(ctrl, flags, world, e, spin_limit)
+        _wait_all(ctrl, flags, errors, world, e, timeout_ns)
         fence_system()  # acquire for the whole block (with the barrier below)
     cuda.syncthreads()
     total = world * count

@@ -72,9 +72,16 @@ def repin_key(key, init_blocks, local_start):
     return make_key(pin_ordered(ordered, block, init_blocks, local_start), block)
 
 
+# Context lengths past this select exactly as this does (every block valid and
+# none of them local, since init/local_blocks < 2**31), and capping them keeps
+# the arithmetic below from overflowing for any integer dtype of seq_lens.
+CONTEXT_CAP = 1 << 40
+
+
 @cuda.jit(device=True, inline=True)
 def causal_len_of(seq_len, t, query_len):
-    return int64(seq_len) - query_len + t + 1
+    capped = int64(CONTEXT_CAP) if seq_len > CONTEXT_CAP else int64(seq_len)
+    return capped - query_len + t + 1
 
 
 @cuda.jit(device=True, inline=True)

@@ -29,7 +29,7 @@ if NAME != "sim":
 
 __all__ = ["inline_device", "float_bits", "shared_atomic_add", "WARP_LANES", "lane_exchange",
            "lane_value", "lane_read", "flag_load", "flag_store", "fence_system", "spin_pause",
-           "ctrl_add", "ctrl_cas"]
+           "clock_ns", "ctrl_add", "ctrl_cas"]
 
 
 def inline_device(fn):
@@ -246,6 +246,10 @@ if NAME == "sim":
     def spin_pause():
         time.sleep(2e-4)  # let ranks sharing a core run; a simulated poll is slow anyway
 
+    def clock_ns():
+        """A wall clock in nanoseconds (for timeouts; any origin)."""
+        return np.int64(time.monotonic_ns())
+
 elif NAME == "cuda":
 
     @intrinsic
@@ -283,6 +287,20 @@ elif NAME == "cuda":
             return context.get_dummy_value()
 
         return signature, codegen
+
+    @intrinsic
+    def _globaltimer(typingctx):
+        def codegen(context, builder, sig, args):
+            word = ir.IntType(64)
+            asm = ir.InlineAsm(ir.FunctionType(word, []), "mov.u64 $0, %globaltimer;", "=l",
+                               side_effect=True)
+            return builder.call(asm, [])
+
+        return types.int64(), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def clock_ns():
+        return _globaltimer()  # the GPU's global nanosecond timer
 
     @cuda.jit(device=True, inline=True)
     def flag_load(flags, index):
@@ -379,6 +397,23 @@ elif NAME == "hip":
             return context.get_dummy_value()
 
         return types.void(), codegen
+
+    @intrinsic
+    def _memrealtime(typingctx):
+        def codegen(context, builder, sig, args):
+            word = ir.IntType(64)
+            read = cgutils.get_or_insert_function(builder.module, ir.FunctionType(word, []),
+                                                  "llvm.amdgcn.s.memrealtime")
+            return builder.call(read, [])
+
+        return types.int64(), codegen
+
+    # s_memrealtime counts a constant 100 MHz clock on CDNA (gfx90a, gfx942).
+    REALTIME_NS_PER_TICK = 10
+
+    @cuda.jit(device=True, inline=True)
+    def clock_ns():
+        return _memrealtime() * REALTIME_NS_PER_TICK
 
     @cuda.jit(device=True, inline=True)
     def flag_load(flags, index):

@@ -17,13 +17,15 @@ from pathlib import Path
 import numpy as np
 
 from numba_cp.comm import GPU_AWARE_ENV, TRANSPORT_ENV
-from numba_cp.comm.ipc import SPIN_LIMIT_ENV
+from numba_cp.comm.ipc import TIMEOUT_ENV as IPC_TIMEOUT_ENV
+from numba_cp.comm.base import TIMEOUT_ENV
 from support import run_mpiexec
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "mpi_scripts"
 # What the transports read from the environment; every test starts without them.
-ENV_VARS = (TRANSPORT_ENV, GPU_AWARE_ENV, SPIN_LIMIT_ENV, "MPICH_GPU_SUPPORT_ENABLED")
+ENV_VARS = (TRANSPORT_ENV, GPU_AWARE_ENV, IPC_TIMEOUT_ENV, TIMEOUT_ENV,
+            "MPICH_GPU_SUPPORT_ENABLED")
 
 
 class FakeComm:
@@ -50,6 +52,9 @@ class FakeComm:
         self.calls.append("allgather")
         return [value if r == self.rank else self.others(index, r, value)
                 for r in range(self.size)]
+
+    def Barrier(self):
+        self.calls.append("Barrier")
 
     def Split_type(self, kind):
         self.calls.append("Split_type")

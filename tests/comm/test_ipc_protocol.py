@@ -129,7 +129,7 @@ class Ranks:
     last pushed.
     """
 
-    def __init__(self, world, shape=(2, 3, 4), dtype=np.int64, spin_limit=10_000, shapes=None):
+    def __init__(self, world, shape=(2, 3, 4), dtype=np.int64, timeout=30.0, shapes=None):
         self.world, self.shape, self.dtype = world, tuple(shape), np.dtype(dtype)
         self.shapes = dict(shapes or {})
         self.layout = I.IPCLayout(world, self.nbytes(0))
@@ -137,7 +137,8 @@ class Ranks:
         self.regions = [self.memory.allocate(self.layout.total_bytes) for _ in range(world)]
         self.engines = [I.IPCEngine(r, world, self.layout, self.regions,
                                     self.memory.private_zeros(K.CTRL_WORDS, np.int64),
-                                    spin_limit=spin_limit) for r in range(world)]
+                                    self.memory.mapped_zeros(K.ERROR_WORDS, np.int64),
+                                    timeout=timeout) for r in range(world)]
         self.call = [0] * world
         self._buffers = {}  # (rank, shape) -> (send, recv), kept alive: the views are cached
 
@@ -294,16 +295,18 @@ def test_kernels_byte_payload(ranks):
 
 @sim_only
 def test_kernels_timeout_then_poison(ranks):
-    R = ranks(3, spin_limit=5)
+    R = ranks(3, timeout=0.2)
     R.bump(0)
     R.push(0, 1)
     t0 = time.perf_counter()
-    R.wait_copy(0)  # nobody else came: gives up after 5 polls instead of hanging
-    assert time.perf_counter() - t0 < 10
+    R.wait_copy(0)  # nobody else came: gives up after 0.2 s instead of hanging
+    assert 0.2 <= time.perf_counter() - t0 < 10
     state = R.engines[0].state()
     assert (state["error_epoch"], state["error_peer"], state["poisoned_by"]) == (1, 1, -1)
+    errors = np.asarray(R.engines[0].errors)  # what the host reads before its next call
+    assert (errors[K.GAVE_UP_EPOCH], errors[K.GAVE_UP_PEER], errors[K.POISONED_BY]) == (1, 2, 0)
     # later waits of a rank that gave up do not wait at all, whatever the limit
-    R.engines[0].spin_limit = 10**12
+    R.engines[0].timeout_ns = 10**15
     R.bump(0)
     R.push(0, 2)  # poisons every peer before its payload
     t0 = time.perf_counter()
@@ -311,14 +314,15 @@ def test_kernels_timeout_then_poison(ranks):
     assert time.perf_counter() - t0 < 10
     for r in (1, 2):
         assert R.engines[r].state()["poisoned_by"] == 0
-    # a poisoned rank stops waiting as well (rank 2 never comes)
-    R.engines[1].spin_limit = 10**12
+    # a poisoned rank stops waiting as well (rank 2 never comes), and records it
+    R.engines[1].timeout_ns = 10**15
     R.bump(1)
     R.push(1, 1)
     t0 = time.perf_counter()
     R.wait_copy(1)
     assert time.perf_counter() - t0 < 10
     assert R.engines[1].state()["error_epoch"] == 0
+    assert np.asarray(R.engines[1].errors)[K.POISONED_BY] == 1  # 1 + rank 0
 
 
 @sim_only

@@ -26,7 +26,7 @@ sim_only = pytest.mark.skipif(not TARGET.simulator,
 
 @sim_only
 def test_check_reports_timeout_and_poison():
-    t = IPCAllGather(MPI.COMM_SELF, spin_limit=3).setup((4,), np.int64)
+    t = IPCAllGather(MPI.COMM_SELF, timeout=0.5).setup((4,), np.int64)
     try:
         send = cuda.to_device(np.arange(4, dtype=np.int64))
         recv = cuda.to_device(np.zeros((1, 4), np.int64))
@@ -35,8 +35,7 @@ def test_check_reports_timeout_and_poison():
         # what the wait kernel records when it gives up, and what a peer's poison leaves
         t.engine.ctrl[K.ERR_EPOCH] = 7
         t.engine.ctrl[K.ERR_PEER] = 3
-        with pytest.raises(IPCTimeoutError, match="call 7 gave up waiting for rank 2 after 3 "
-                                                  "polls"):
+        with pytest.raises(IPCTimeoutError, match="call 7 gave up waiting for rank 2 after 0.5 s"):
             t.check()
         t.engine.ctrl[K.ERR_EPOCH] = 0
         np.asarray(t.engine.own_flags)[-1] = 2
@@ -49,18 +48,34 @@ def test_check_reports_timeout_and_poison():
         t.state()
 
 
-def test_spin_limit_env(monkeypatch):
-    assert IPCAllGather(MPI.COMM_SELF).spin_limit == I.SPIN_LIMIT
-    monkeypatch.setenv(I.SPIN_LIMIT_ENV, "0x100")
-    assert IPCAllGather(MPI.COMM_SELF).spin_limit == 256
-    assert I.spin_limit_from_env() == 256
-    assert IPCAllGather(MPI.COMM_SELF, spin_limit=9).spin_limit == 9
+def test_timeout_env(monkeypatch):
+    assert IPCAllGather(MPI.COMM_SELF).timeout == I.DEFAULT_TIMEOUT_S
+    monkeypatch.setenv(I.TIMEOUT_ENV, "2.5")
+    assert IPCAllGather(MPI.COMM_SELF).timeout == 2.5
+    assert I.timeout_from_env() == 2.5
+    assert IPCAllGather(MPI.COMM_SELF, timeout=9).timeout == 9
     for bad in ("0", "many", "-3"):
-        monkeypatch.setenv(I.SPIN_LIMIT_ENV, bad)
-        with pytest.raises(ValueError, match=I.SPIN_LIMIT_ENV):
+        monkeypatch.setenv(I.TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=I.TIMEOUT_ENV):
             IPCAllGather(MPI.COMM_SELF)
-    with pytest.raises(ValueError, match="spin_limit must be >= 1"):
-        IPCAllGather(MPI.COMM_SELF, spin_limit=0)
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        IPCAllGather(MPI.COMM_SELF, timeout=0)
+
+
+@sim_only
+def test_failure_is_read_from_the_error_words_without_a_sync():
+    """What the plan asks before every call: the error words the wait kernel writes."""
+    t = IPCAllGather(MPI.COMM_SELF, timeout=0.5).setup((4,), np.int64)
+    try:
+        assert t.failure() is None
+        errors = np.asarray(t.engine.errors)
+        errors[K.GAVE_UP_EPOCH], errors[K.GAVE_UP_PEER] = 5, 2
+        assert t.failure() == "ipc rank 0: call 5 gave up waiting for rank 1 after 0.5 s"
+        errors[:] = 0
+        errors[K.POISONED_BY] = 3
+        assert t.failure() == "ipc rank 0: rank 2 gave up waiting for a peer"
+    finally:
+        t.teardown()
 
 
 def test_zero_size_state_and_repr():

@@ -186,7 +186,7 @@ def check_eager(comm, args, shape, dtype, rounds=4):
     stream = DEV.stream()
     problems = []
     t0 = time.perf_counter()
-    with IPCAllGather(comm, spin_limit=args.spin_limit).setup(shape, dtype) as t:
+    with IPCAllGather(comm, timeout=args.timeout).setup(shape, dtype) as t:
         for round_ in range(rounds):
             send_host = payload(rank, round_, shape, dtype)
             send = DEV.put(send_host)
@@ -214,7 +214,7 @@ def check_fewer_tokens(comm, args):
     stream = DEV.stream()
     problems = []
     counts = [most, max(most // 2, 1), 0, 1, most]
-    with IPCAllGather(comm, spin_limit=args.spin_limit).setup((heads, most, topk),
+    with IPCAllGather(comm, timeout=args.timeout).setup((heads, most, topk),
                                                               np.int64) as t:
         for round_, tokens in enumerate(counts):
             shape = (heads, tokens, topk)
@@ -250,7 +250,7 @@ def _drifting_calls(comm, args, calls, replay_factory, label):
     verify_at = sorted(set(range(0, calls, args.verify_every)) | {calls - 1})
     history = DEV.put(np.zeros((len(verify_at), world) + shape, dtype))
     problems = []
-    with IPCAllGather(comm, spin_limit=args.spin_limit).setup(shape, dtype) as t:
+    with IPCAllGather(comm, timeout=args.timeout).setup(shape, dtype) as t:
         replay, warmups = replay_factory(t, send, recv, stream)
         DEV.sync(stream)
         comm.Barrier()
@@ -310,7 +310,7 @@ def check_timeout(comm, args):
     recv = DEV.put(np.zeros((world,) + shape, np.int64))
     problems = []
     waited = 0.0
-    t = IPCAllGather(comm, spin_limit=args.timeout_polls).setup(shape, np.int64)
+    t = IPCAllGather(comm, timeout=args.give_up_after).setup(shape, np.int64)
     try:
         if rank == 0:
             t0 = time.perf_counter()
@@ -336,7 +336,7 @@ def check_timeout(comm, args):
         comm.Barrier()
     finally:
         t.teardown()
-    detail = f"spin limit {args.timeout_polls} polls"
+    detail = f"timeout {args.give_up_after:g} s"
     if rank == 0 and not problems:
         detail += f", rank 0 gave up after {waited * 1e3:.1f} ms"
     return not problems, "; ".join(problems) or detail
@@ -466,11 +466,11 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=4096 if SIM else 131072)
     p.add_argument("--skew-us", type=float, default=0 if SIM else 200,
                    help="the last rank sleeps this long every 97 calls")
-    p.add_argument("--spin-limit", type=int, default=None,
-                   help="polls before an IPC wait gives up, for the checks' transports "
-                        "(default: NUMBA_CP_IPC_SPIN_LIMIT or numba_cp.comm.ipc.SPIN_LIMIT)")
-    p.add_argument("--timeout-polls", type=int, default=20 if SIM else 1 << 14,
-                   help="the spin limit of the timeout check")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds before an IPC wait gives up, for the checks' transports "
+                        "(default: NUMBA_CP_IPC_TIMEOUT or numba_cp.comm.ipc.DEFAULT_TIMEOUT_S)")
+    p.add_argument("--give-up-after", type=float, default=0.5 if SIM else 0.05,
+                   help="the IPC timeout, in seconds, of the timeout check")
     p.add_argument("--nccl-world", action="store_true",
                    help="also NCCL over the whole communicator (one GPU per rank)")
     p.add_argument("--only", default=None, help="comma-separated check name prefixes")

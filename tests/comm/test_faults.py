@@ -1,0 +1,80 @@
+"""No rank left hanging: one rank fails at each stage, and every rank raises within seconds.
+
+Each case runs ``mpi_scripts/fault_scenarios.py`` under mpiexec with
+short timeouts and asserts every rank's outcome line and the job's wall time.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "mpi_scripts" / "fault_scenarios.py"
+TIMEOUT_S = 4  # NUMBA_CP_TIMEOUT for the ranks: a stuck collective gives up after this
+IPC_TIMEOUT_S = 3
+
+
+def run(mpiexec, n, scenario, tmp_path):
+    env = dict(os.environ, NUMBA_CP_BACKEND="sim", NUMBA_CP_TIMEOUT=str(TIMEOUT_S),
+               NUMBA_CP_IPC_TIMEOUT=str(IPC_TIMEOUT_S), FAULT_DIR=str(tmp_path))
+    env.pop("NUMBA_CP_TRANSPORT", None)
+    start = time.monotonic()
+    proc = subprocess.run([*mpiexec, "-n", str(n), sys.executable, str(SCRIPT), scenario],
+                          env=env, capture_output=True, text=True, timeout=240)
+    elapsed = time.monotonic() - start
+    lines = dict(re.findall(r"^rank (\d+): (.*)$", proc.stdout, flags=re.M))
+    assert sorted(map(int, lines)) == list(range(n)), proc.stdout + proc.stderr
+    # every rank ended within a few timeouts, not at the test's limit
+    assert elapsed < 60 + 3 * TIMEOUT_S, (elapsed, proc.stdout)
+    return {int(r): text for r, text in lines.items()}, elapsed
+
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_config_mismatch_raises_on_every_rank(mpiexec, n, tmp_path):
+    out, _ = run(mpiexec, n, "config_mismatch", tmp_path)
+    assert all(t.startswith("RankAgreementError") and "topk" in t for t in out.values()), out
+
+
+def test_a_local_config_failure_raises_on_every_rank(mpiexec, tmp_path):
+    out, _ = run(mpiexec, 3, "config_local_failure", tmp_path)
+    assert all(t.startswith("RankAgreementError") and "rank 1" in t and "nonesuch" in t
+               for t in out.values()), out
+
+
+def test_forced_transport_mismatch_raises_on_every_rank(mpiexec, tmp_path):
+    out, _ = run(mpiexec, 2, "transport_mismatch", tmp_path)
+    assert all(t.startswith("RankAgreementError") and "transport" in t
+               for t in out.values()), out
+
+
+def test_bad_first_call_on_one_rank_raises_on_every_rank(mpiexec, tmp_path):
+    out, _ = run(mpiexec, 3, "first_call_bad_dtype", tmp_path)
+    assert all(t.startswith("RankAgreementError") and "rank 1" in t and "scores" in t
+               for t in out.values()), out
+
+
+def test_later_call_with_other_tokens_ends_every_rank(mpiexec, tmp_path):
+    out, elapsed = run(mpiexec, 3, "later_call_tokens", tmp_path)
+    assert all(t.startswith(("RankAgreementError", "CollectiveTimeoutError"))
+               for t in out.values()), out
+    assert "CollectiveTimeoutError" in out[1], out  # it asked; nobody answered
+
+
+def test_an_extra_call_on_one_rank_ends_every_rank(mpiexec, tmp_path):
+    out, _ = run(mpiexec, 2, "extra_call", tmp_path)
+    assert out[0].startswith("CollectiveTimeoutError") and "all-gather" in out[0], out
+    assert out[1].startswith("CollectiveTimeoutError") and "close" in out[1], out
+
+
+def test_ipc_peer_gone_makes_the_next_call_refuse(mpiexec, tmp_path):
+    out, _ = run(mpiexec, 2, "ipc_peer_gone", tmp_path)
+    assert out[0].startswith("IPCTimeoutError") and "gave up waiting for rank 1" in out[0], out
+    assert out[0].endswith("s)") and "refuses calls" in out[0], out
+    assert out[1].startswith("CollectiveTimeoutError") and "close" in out[1], out
