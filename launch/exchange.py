@@ -148,7 +148,8 @@ def run_once(comm, args, work: Workload):
     with CandidateExchange(comm, config, transport=args.transport,
                            method=args.method, threads=args.threads) as plan:
         if args.fail_rank == rank:
-            raise RuntimeError(f"--fail-rank {rank}: failing on purpose")
+            # SystemExit, not an Exception: the driver must abort on it all the same
+            raise SystemExit(f"--fail-rank {rank}: failing on purpose")
         timings = np.zeros((args.iters, 4))
         for it in range(args.warmup + args.iters):
             comm.Barrier()

@@ -78,3 +78,16 @@ def test_ipc_peer_gone_makes_the_next_call_refuse(mpiexec, tmp_path):
     assert out[0].startswith("IPCTimeoutError") and "gave up waiting for rank 1" in out[0], out
     assert out[0].endswith("s)") and "refuses calls" in out[0], out
     assert out[1].startswith("CollectiveTimeoutError") and "close" in out[1], out
+
+
+def test_a_bad_config_field_on_one_rank_aborts_a_job_run_with_mpi4py(mpiexec, tmp_path):
+    """ExchangeConfig raises on one rank before any collective; run as the README says
+    (``python -m mpi4py``), the job aborts instead of leaving the peers waiting."""
+    env = dict(os.environ, NUMBA_CP_BACKEND="sim")
+    start = time.monotonic()
+    proc = subprocess.run([*mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", str(SCRIPT),
+                           "config_type_uncaught"], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 120, "the job was not aborted"
+    assert "ExchangeConfig.heads must be an integer, got bool" in proc.stderr + proc.stdout

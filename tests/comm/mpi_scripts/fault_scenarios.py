@@ -86,11 +86,21 @@ def ipc_peer_gone():
             time.sleep(1)
 
 
+def config_type_uncaught():
+    """Run under ``python -m mpi4py`` without the handler below: one rank's bad field
+    raises before the plan exists, and mpi4py's handler must abort the job."""
+    heads = True if rank == 1 else 2
+    CandidateExchange(comm, config(heads=heads))
+    time.sleep(600)  # the other ranks: wait for the abort
+
+
 SCENARIOS = {f.__name__: f for f in (config_mismatch, config_local_failure, transport_mismatch,
                                       first_call_bad_dtype, later_call_tokens, extra_call,
                                       ipc_peer_gone)}
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1] == "config_type_uncaught":
+    config_type_uncaught()
+elif __name__ == "__main__":
     start = time.monotonic()
     try:
         SCENARIOS[sys.argv[1]]()
