@@ -1,0 +1,286 @@
+"""Time the whole exchange per call, across ranks: pack -> all-gather -> merge as one plan.
+
+    python benchmarks/bench_exchange.py --worlds 1,2,4,8 --cases b,e [--mps] [--json out.json]
+
+The driver (this command) starts one MPI job per world (``mpiexec -n P``, this script
+with ``--job``), collects every rank's figures, checks exactness, prints one table and
+writes JSON (and a plot of µs per exchange against world with ``--plot``). With
+``--mps`` it first starts a CUDA MPS daemon with private pipe and log directories, so
+that ranks sharing one GPU run their kernels side by side instead of time-slicing the
+GPU, and stops it at the end. The same command runs unchanged with one rank per GPU on
+a multi-GPU node (each rank takes GPU ``local rank % GPUs``).
+
+Per case, world and transport, every rank builds a ``CandidateExchange`` of the case's
+shape (its ``world`` replaced by the job's), captures it once (one CUDA graph with a
+device-side gather, two graphs around an MPI gather), and times:
+
+``replay µs``
+    ``--replays`` back-to-back replays on every rank with one synchronisation at the end:
+    the time per exchange when nothing on the host waits, as a decode loop would run it.
+``iteration µs``
+    one replay per host iteration, each followed by a stream synchronisation and a
+    barrier: what a caller that waits for every result pays.
+
+Both are the slowest rank's. After timing, the outputs of the last replay are checked
+against the unsharded oracle (``exact``). Under the simulator the figures only show
+that the flow runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TRANSPORTS = ("ipc", "staged")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", default="1,2,4", help="comma-separated rank counts")
+    p.add_argument("--cases", default="b", help="comma-separated cases of bench_kernels.py")
+    p.add_argument("--transports", default=",".join(TRANSPORTS),
+                   help="comma-separated transports for world > 1 (world 1 gathers nothing)")
+    p.add_argument("--replays", type=int, default=200, help="back-to-back replays timed")
+    p.add_argument("--iterations", type=int, default=50, help="host iterations timed")
+    p.add_argument("--mps", action="store_true", help="start (and stop) a CUDA MPS daemon")
+    p.add_argument("--mpiexec", default=os.environ.get("NUMBA_CP_MPIEXEC", "mpiexec"),
+                   help="launcher command, with its flags (default $NUMBA_CP_MPIEXEC, "
+                        "else mpiexec)")
+    p.add_argument("--small", action="store_true",
+                   help="shrink every case to a few blocks and rows (for the simulator)")
+    p.add_argument("--json", default=None, help="write every figure here")
+    p.add_argument("--plot", default=None, help="write a PNG of µs per exchange here")
+    p.add_argument("--job", default=None, help=argparse.SUPPRESS)  # a rank's JSON output
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------
+# One MPI job: every rank runs every (case, transport) and reports.
+
+
+def case_shape(name, world, small):
+    from bench_kernels import CASES, INIT_BLOCKS, LOCAL_BLOCKS
+
+    context, _, topk, batch, query_len, heads, table, _, _ = CASES[name]
+    if small:
+        context, batch, topk = 16 * 128, 2, min(topk, 8)
+    return dict(context=context, topk=topk, batch=batch, query_len=query_len, heads=heads,
+                table=table, init_blocks=INIT_BLOCKS, local_blocks=LOCAL_BLOCKS, world=world)
+
+
+def run_job(args):
+    import numpy as np
+    from mpi4py import MPI
+
+    import numba_cp
+    from numba_cp import reference as ref
+    from numba_cp.arrays import device_copy, host_copy
+    from numba_cp.exchange import CandidateExchange, ExchangeConfig
+    from numba_cp.workload import decode_workload
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    simulator = numba_cp.backend.TARGET.simulator
+    cupy = None
+    if not simulator:
+        import cupy
+
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        device = local.Get_rank() % cupy.cuda.runtime.getDeviceCount()
+        local.Free()
+        cupy.cuda.Device(device).use()
+        numba_cp.backend.cuda.select_device(device)
+
+    def sync(stream):
+        if stream is not None:
+            stream.synchronize()
+
+    rows = []
+    transports = [None] if world == 1 else args.transports.split(",")
+    for name in args.cases.split(","):
+        shape = case_shape(name, world, args.small)
+        work = decode_workload(heads=shape["heads"], batch=shape["batch"],
+                               query_len=shape["query_len"], context=shape["context"])
+        window = dict(query_len=shape["query_len"], init_blocks=shape["init_blocks"],
+                      local_blocks=shape["local_blocks"])
+        shard = ref.shard_scores(work.full_scores, rank=rank, world=world,
+                                 global_blocks=work.global_blocks)
+        scores, seq_lens = device_copy(np.ascontiguousarray(shard)), device_copy(work.seq_lens)
+        table = None
+        if shape["table"]:
+            host_table = np.random.default_rng(1).integers(
+                0, 1 << 20, size=(shape["batch"], work.global_blocks), dtype=np.int32)
+            table = device_copy(host_table)
+        want = ref.global_topk(work.full_scores, work.seq_lens, topk=shape["topk"],
+                               global_blocks=work.global_blocks, **window)
+        config = ExchangeConfig(heads=shape["heads"], max_tokens=work.tokens,
+                                topk=shape["topk"], world=world,
+                                global_blocks=work.global_blocks, sparse_table=shape["table"],
+                                **window)
+        for transport in transports:
+            stream = None if simulator else cupy.cuda.Stream(non_blocking=True)
+            with CandidateExchange(comm, config, transport=transport) as plan:
+                captured = plan.capture(scores, seq_lens, attention_block_table=table,
+                                        stream=stream)
+                for _ in range(3):
+                    captured.replay()
+                sync(stream)
+                comm.Barrier()
+                start = time.perf_counter()
+                for _ in range(args.replays):
+                    captured.replay()
+                sync(stream)
+                replay_us = (time.perf_counter() - start) / args.replays * 1e6
+                comm.Barrier()
+                start = time.perf_counter()
+                for _ in range(args.iterations):
+                    captured.replay()
+                    sync(stream)
+                    comm.Barrier()
+                iteration_us = (time.perf_counter() - start) / args.iterations * 1e6
+                out = captured.replay()
+                sync(stream)
+                plan.check()
+                idx = host_copy(out[0] if shape["table"] else out)
+                exact = bool((idx == want).all())
+            rows.append(dict(case=name, world=world, transport=transport or "none",
+                             replay_us=replay_us, iteration_us=iteration_us, exact=exact,
+                             shape=shape))
+    everyone = comm.gather(rows, root=0)
+    if rank == 0:
+        merged = []
+        for i, row in enumerate(everyone[0]):
+            ranks = [rank_rows[i] for rank_rows in everyone]
+            merged.append(dict(row, replay_us=max(r["replay_us"] for r in ranks),
+                               iteration_us=max(r["iteration_us"] for r in ranks),
+                               exact=all(r["exact"] for r in ranks),
+                               per_rank=[dict(replay_us=r["replay_us"],
+                                              iteration_us=r["iteration_us"]) for r in ranks]))
+        Path(args.job).write_text(json.dumps(merged))
+
+
+# ---------------------------------------------------------------------------
+# The driver
+
+
+class MPS:
+    """A CUDA MPS control daemon with private pipe and log directories."""
+
+    def __init__(self):
+        self.dirs = None
+
+    def start(self):
+        if shutil.which("nvidia-cuda-mps-control") is None:
+            raise SystemExit("--mps: nvidia-cuda-mps-control is not on PATH (CUDA MPS needs "
+                             "an NVIDIA driver with MPS); run without --mps")
+        self.dirs = {var: tempfile.mkdtemp(prefix="numba_cp_mps_")
+                     for var in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")}
+        os.environ.update(self.dirs)
+        proc = subprocess.run(["nvidia-cuda-mps-control", "-d"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"--mps: nvidia-cuda-mps-control -d failed: "
+                             f"{(proc.stderr or proc.stdout).strip()}")
+
+    def stop(self):
+        if self.dirs is not None:
+            subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True,
+                           capture_output=True)
+            for var in self.dirs:
+                os.environ.pop(var, None)
+            self.dirs = None
+
+
+def launcher(args, world):
+    command = args.mpiexec.split()
+    if os.geteuid() == 0 and "open mpi" in subprocess.run(
+            [command[0], "--version"], capture_output=True, text=True).stdout.lower():
+        command += ["--allow-run-as-root", "--oversubscribe"]
+        for var in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "PYTHONPATH",
+                    "NUMBA_CP_BACKEND"):
+            if var in os.environ:
+                command += ["-x", var]
+    return command + ["-n", str(world)]
+
+
+def print_table(rows, mps):
+    print(f"per exchange, slowest rank; ranks share {'one GPU under MPS' if mps else 'the GPUs'}"
+          " (or the CPU simulator)")
+    print(f"{'case':>4} {'world':>5} {'transport':>9} {'replay us':>10} {'iteration us':>13} "
+          f"{'exact':>6}")
+    for r in rows:
+        print(f"{r['case']:>4} {r['world']:>5} {r['transport']:>9} {r['replay_us']:>10.1f} "
+              f"{r['iteration_us']:>13.1f} {str(r['exact']):>6}")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for case in sorted({r["case"] for r in rows}):
+        for transport in sorted({r["transport"] for r in rows if r["world"] > 1}):
+            points = sorted((r["world"], r["replay_us"]) for r in rows if r["case"] == case
+                            and r["transport"] in (transport, "none"))
+            ax.plot(*zip(*points), marker="o", label=f"{case} {transport}")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("µs per exchange (back-to-back replays)")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.job:
+        run_job(args)
+        return 0
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
+    worlds = [int(w) for w in args.worlds.split(",")]
+    mps = MPS()
+    rows = []
+    try:
+        if args.mps:
+            mps.start()
+        for world in worlds:
+            with tempfile.TemporaryDirectory() as tmp:
+                job = os.path.join(tmp, "job.json")
+                command = launcher(args, world) + [
+                    sys.executable, str(Path(__file__)), "--job", job, "--cases", args.cases,
+                    "--transports", args.transports, "--replays", str(args.replays),
+                    "--iterations", str(args.iterations)] + (["--small"] if args.small else [])
+                print(f"== world {world}: {' '.join(command)}", flush=True)
+                proc = subprocess.run(command, capture_output=True, text=True)
+                if proc.returncode != 0 or not os.path.exists(job):
+                    print(proc.stdout[-4000:] + proc.stderr[-4000:], file=sys.stderr)
+                    raise SystemExit(f"the world-{world} job failed (exit {proc.returncode})")
+                rows += json.loads(Path(job).read_text())
+    finally:
+        mps.stop()
+    print_table(rows, args.mps)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(argv=sys.argv[1:], mps=args.mps, rows=rows),
+                                              indent=2))
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if all(r["exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

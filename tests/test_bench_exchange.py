@@ -1,0 +1,27 @@
+"""benchmarks/bench_exchange.py runs its MPI jobs end to end on the simulator and checks them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_bench_exchange_small_run(tmp_path, mpiexec):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, NUMBA_CP_BACKEND="sim", NUMBA_CP_MPIEXEC=" ".join(mpiexec))
+    proc = subprocess.run([sys.executable, "benchmarks/bench_exchange.py", "--worlds", "1,2",
+                           "--cases", "g", "--small", "--replays", "1", "--iterations", "1",
+                           "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["world"], r["transport"]) for r in rows] == [(1, "none"), (2, "ipc"),
+                                                            (2, "staged")]
+    assert all(r["exact"] and len(r["per_rank"]) == r["world"] for r in rows), rows
