@@ -55,18 +55,23 @@ def mpi():
     return MPI
 
 
-def collective_timeout() -> float:
-    """Seconds a collective waits for its peers: ``NUMBA_CP_TIMEOUT``, else the default."""
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+def seconds_from_env(var: str, default: float) -> float:
+    """A positive number of seconds from environment variable ``var``, else ``default``."""
+    raw = os.environ.get(var, "").strip()
     if not raw:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+        raise ValueError(f"{var}={raw!r}: expected a positive number of seconds")
     return value
+
+
+def collective_timeout() -> float:
+    """Seconds a collective waits for its peers: ``NUMBA_CP_TIMEOUT``, else the default."""
+    return seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
 
 
 def wait_for(comm, request, what: str):

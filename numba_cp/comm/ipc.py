@@ -41,7 +41,7 @@ from ..arrays import device_view, resolve_stream
 from ..backend import COMPILE_ONLY, TARGET, cuda
 from ..errors import IPCTimeoutError
 from ..kernels import ipc as K
-from .base import Transport, agree, describe_problem, register_transport
+from .base import Transport, agree, describe_problem, register_transport, seconds_from_env
 
 __all__ = ["IPCLayout", "CudaIPCMemory", "HostIPCMemory", "IPCEngine", "IPCAllGather",
            "ipc_memory", "local_probe", "gpu_identity", "peer_access", "TIMEOUT_ENV",
@@ -445,16 +445,7 @@ class IPCEngine:
 
 def timeout_from_env(default: float = DEFAULT_TIMEOUT_S) -> float:
     """Seconds a device-side wait polls: ``NUMBA_CP_IPC_TIMEOUT``, else ``default``."""
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
-    return value
+    return seconds_from_env(TIMEOUT_ENV, default)
 
 
 @register_transport

@@ -1,4 +1,4 @@
-"""IPCAllGather on one rank: its error reporting, spin limit, setup failures and clean-up.
+"""IPCAllGather on one rank: its error reporting, timeout, setup failures and clean-up.
 
 Under the simulator its exchange buffers are files in ``/dev/shm`` mapped by
 every rank (:class:`~numba_cp.comm.ipc.HostIPCMemory`); the multi-rank runs

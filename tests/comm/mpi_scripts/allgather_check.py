@@ -39,7 +39,6 @@ then runs the chosen ``ipc`` transport on host shared memory.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import numpy as np
@@ -47,6 +46,7 @@ from mpi4py import MPI
 
 from numba_cp.backend import cuda
 from numba_cp.comm import TRANSPORTS, NCCLAllGather, Probes, choose_transport
+from rank_lines import begin, say
 
 SHAPE = (2, 3, 4)  # heads, tokens, topk
 SENTINEL = 0xA5
@@ -56,16 +56,6 @@ TOKEN_PLANS = (("int64", (2, 5, 4), (5, 2, 0, 1, 5, 3)),
                ("uint8", (3, 8, 3), (8, 3, 0, 8, 1, 5)))
 
 
-LOG = None  # this rank's own file under --out-dir: mpiexec may interleave stdout lines
-
-
-def say(rank, text):
-    line = f"rank={rank} {text}\n"
-    sys.stdout.write(line)  # one write per line
-    sys.stdout.flush()
-    if LOG is not None:
-        LOG.write(line)
-        LOG.flush()
 
 
 def int64_keys(rank, round_, shape=SHAPE):
@@ -275,15 +265,8 @@ def main():
     parser.add_argument("--ipc-probe", default=None)
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if args.out_dir:
-        global LOG
-        # a launcher/library mismatch runs N singletons, all rank 0: don't clobber
-        LOG = open(os.path.join(args.out_dir, f"rank{rank}-pid{os.getpid()}.txt"), "w")
-    say(rank, f"size={size}")
-    if size != args.size:
-        say(rank, f"FAIL size={size} but {args.size} ranks were launched: the mpiexec does "
-                  "not match the MPI library mpi4py loaded")
+    rank, ok = begin(comm, args.out_dir, args.size)
+    if not ok:
         return 3
     cases = {"values": case_values, "tokens": case_tokens, "mismatch": case_mismatch,
              "choose": case_choose}

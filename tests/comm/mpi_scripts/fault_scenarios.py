@@ -13,7 +13,6 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-import numba_cp
 from numba_cp import reference as ref
 from numba_cp.exchange import CandidateExchange, ExchangeConfig
 

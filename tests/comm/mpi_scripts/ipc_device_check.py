@@ -35,7 +35,7 @@ Checks:
     must equal the number of calls made. ``--skew-us`` makes the last rank
     pause now and then so the others really wait.
 ``timeout and poison``
-    with a small spin limit only rank 0 calls: its wait must give up (no hang)
+    with a short timeout only rank 0 calls: its wait must give up (no hang)
     and ``check()`` must say so; its next call poisons the peers, whose
     ``check()`` must report rank 0.
 ``exchange graph``

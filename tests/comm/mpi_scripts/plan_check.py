@@ -15,7 +15,6 @@ expected; 4 an unexpected error.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import numpy as np
@@ -24,17 +23,8 @@ from mpi4py import MPI
 from numba_cp import reference as ref
 from numba_cp.arrays import device_copy, host_copy
 from numba_cp.exchange import CandidateExchange, ExchangeConfig
+from rank_lines import begin, say
 
-LOG = None
-
-
-def say(rank, text):
-    line = f"rank={rank} {text}\n"
-    sys.stdout.write(line)
-    sys.stdout.flush()
-    if LOG is not None:
-        LOG.write(line)
-        LOG.flush()
 
 
 def workload(seed, heads, tokens, query_len, global_blocks):
@@ -97,13 +87,8 @@ def main():
     parser.add_argument("--global-blocks", type=int, default=23)
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if args.out_dir:
-        global LOG
-        LOG = open(os.path.join(args.out_dir, f"rank{rank}-pid{os.getpid()}.txt"), "w")
-    say(rank, f"size={size}")
-    if size != args.size:
-        say(rank, f"FAIL size={size} but {args.size} ranks were launched")
+    rank, ok = begin(comm, args.out_dir, args.size)
+    if not ok:
         return 3
     try:
         return run(args, comm)
