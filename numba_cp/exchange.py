@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import validate
 from .arrays import device_copy
 from .backend import TARGET
 from .comm import (agree, barrier, checked_request, choose_transport, describe_problem,
@@ -40,12 +41,7 @@ __all__ = ["ExchangeConfig", "CandidateExchange", "CapturedExchange", "owned_hea
 
 
 def _integer(name, value, low, high=None):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"ExchangeConfig.{name} must be an integer, got "
-                        f"{type(value).__name__} {value!r}")
-    if value < low or (high is not None and value >= high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise ValueError(f"ExchangeConfig.{name} must be {bound}, got {value}")
+    validate.integer(f"ExchangeConfig.{name}", value, low=low, high=high)
 
 
 @dataclass(frozen=True)
@@ -134,6 +130,8 @@ class CandidateExchange:
                 raise ValueError(f"config.world is {config.world} but the communicator has "
                                  f"{comm.Get_size()} ranks")
             choose_method(method, config.topk)
+            # Under the simulator, a device transport (forced, to exercise it on a CPU)
+            # is handed the simulator's device arrays.
             device = not TARGET.simulator or bool(takes_device_arrays(transport))
             values = dataclasses.asdict(config)  # its fields' types are checked: 1.0 is no 1
             values.update(transport=checked_request(transport, device), method=method,
@@ -153,9 +151,7 @@ class CandidateExchange:
         self.heads = (range(c.heads) if c.merge == "all"
                       else owned_heads(c.heads, c.world, self.rank))
         per_shard, merged = c.shard_keys, len(self.heads)
-        # Under the simulator, a device transport (forced, to exercise it on a CPU)
-        # is handed the simulator's device arrays.
-        self._device_payload = not TARGET.simulator or bool(takes_device_arrays(transport))
+        self._device_payload = device
         self.transport = choose_transport(comm, device=self._device_payload, force=transport)
         if c.world > 1:  # one transport, sized for max_tokens, serves every token count
             self.transport.setup((c.heads, c.max_tokens, per_shard), np.int64)
@@ -238,6 +234,9 @@ class CandidateExchange:
     def pack(self, scores, seq_lens, *, stream=None):
         """This rank's shard ``[heads, tokens, local]`` -> its keys (the send buffer)."""
         self._refuse_if_failed()
+        return self._pack(scores, seq_lens, stream)
+
+    def _pack(self, scores, seq_lens, stream):
         args, kwargs = self._pack_arguments(scores, seq_lens, self._tokens_of(scores))
         return local_topk_keys(*args, stream=stream, **kwargs)
 
@@ -248,6 +247,9 @@ class CandidateExchange:
         call with each ``tokens`` checks that on every rank).
         """
         self._refuse_if_failed()
+        return self._all_gather(tokens, stream)
+
+    def _all_gather(self, tokens, stream):
         send, recv = self._views_for(tokens)[:2]
         if self.config.world == 1:
             return recv  # send is recv[0]
@@ -259,6 +261,9 @@ class CandidateExchange:
     def merge(self, seq_lens, tokens: int, *, attention_block_table=None, stream=None):
         """Gathered keys -> ``topk_idx`` of this rank's heads (and the sparse table)."""
         self._refuse_if_failed()
+        return self._merge(seq_lens, tokens, attention_block_table, stream)
+
+    def _merge(self, seq_lens, tokens, attention_block_table, stream):
         args, kwargs = self._merge_arguments(seq_lens, tokens, attention_block_table)
         merge_topk_keys(*args, stream=stream, **kwargs)
         _, _, _, idx, sbt, ctx = self._views_for(tokens)
@@ -280,11 +285,10 @@ class CandidateExchange:
             self._agree_on_call(scores, seq_lens, attention_block_table)
             if key is not None:
                 self._agreed.add(key)
-        self.pack(scores, seq_lens, stream=stream)
+        self._pack(scores, seq_lens, stream)
         tokens = scores.shape[1]
-        self.all_gather(tokens, stream=stream)
-        return self.merge(seq_lens, tokens, attention_block_table=attention_block_table,
-                          stream=stream)
+        self._all_gather(tokens, stream)
+        return self._merge(seq_lens, tokens, attention_block_table, stream)
 
     def _agree_on_call(self, scores, seq_lens, attention_block_table):
         problem = tokens = None

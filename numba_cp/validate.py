@@ -12,12 +12,12 @@ from .arrays import KernelArray
 def integer(name: str, value, *, low=None, high=None) -> int:
     """``value`` as an int in ``[low, high)`` (either bound optional)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     value = int(value)
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    if high is not None and value >= high:
-        raise ValueError(f"{name} must be < {high}, got {value}")
+    if (low is not None and value < low) or (high is not None and value >= high):
+        bound = (f"in [{low}, {high})" if low is not None and high is not None
+                 else f">= {low}" if low is not None else f"< {high}")
+        raise ValueError(f"{name} must be {bound}, got {value}")
     return value
 
 
