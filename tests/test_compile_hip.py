@@ -2,7 +2,7 @@
 
 The real check is ``bash tools/rocm_compile_check.sh``: it builds its own venv
 (numba-hip from PyPI) and ROCm prefix (Debian packages) and needs the network,
-so it runs only with ``NUMBA_CP_HIP_CHECK=1``: about 40 s on this workplace's
+so it runs only with ``NUMBA_CP_HIP_CHECK=1``: about 40 s on a
 2-core machine from nothing (downloads included), about 20 s once its venv and
 prefix exist. The ELF checks it relies on are tested here on every run.
 """
