@@ -10,9 +10,12 @@ that ranks sharing one GPU run their kernels side by side instead of time-slicin
 GPU, and stops it at the end. The same command runs unchanged with one rank per GPU on
 a multi-GPU node (each rank takes GPU ``local rank % GPUs``).
 
-Per case, world and transport, every rank builds a ``CandidateExchange`` of the case's
+Per case, world and gather, every rank builds a ``CandidateExchange`` of the case's
 shape (its ``world`` replaced by the job's), captures it once (one CUDA graph with a
-device-side gather, two graphs around an MPI gather), and times:
+device-side gather, two graphs around an MPI gather), and times it. The gathers
+(``--gathers``): ``ipc-fused``, the IPC transport fused into the pack and merge kernels
+(two kernels per exchange); ``ipc``, the same transport as separate launches between
+them; ``staged``, MPI through pinned host buffers; any other transport by name.
 
 ``replay µs``
     ``--replays`` back-to-back replays on every rank with one synchronisation at the end:
@@ -20,8 +23,12 @@ device-side gather, two graphs around an MPI gather), and times:
 ``iteration µs``
     one replay per host iteration, each followed by a stream synchronisation and a
     barrier: what a caller that waits for every result pays.
+``eager host µs``
+    the host time of one eager call of the plan (``plan(scores, seq_lens)``, no
+    graph), over ``--iterations`` calls with a synchronisation and a barrier after
+    each, the synchronisation not counted.
 
-Both are the slowest rank's. After timing, the outputs of the last replay are checked
+All three are the slowest rank's. After timing, the outputs of the last replay are checked
 against the unsharded oracle (``exact``). Under the simulator the figures only show
 that the flow runs.
 """
@@ -39,15 +46,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TRANSPORTS = ("ipc", "staged")
+GATHERS = ("ipc-fused", "ipc", "staged")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", default="1,2,4", help="comma-separated rank counts")
     p.add_argument("--cases", default="b", help="comma-separated cases of bench_kernels.py")
-    p.add_argument("--transports", default=",".join(TRANSPORTS),
-                   help="comma-separated transports for world > 1 (world 1 gathers nothing)")
+    p.add_argument("--gathers", default=",".join(GATHERS),
+                   help="comma-separated gathers for world > 1: ipc-fused, or a transport "
+                        "name, run as separate steps (world 1 gathers nothing)")
     p.add_argument("--replays", type=int, default=200, help="back-to-back replays timed")
     p.add_argument("--iterations", type=int, default=50, help="host iterations timed")
     p.add_argument("--mps", action="store_true", help="start (and stop) a CUDA MPS daemon")
@@ -104,7 +112,7 @@ def run_job(args):
             stream.synchronize()
 
     rows = []
-    transports = [None] if world == 1 else args.transports.split(",")
+    gathers = ["none"] if world == 1 else args.gathers.split(",")
     for name in args.cases.split(","):
         shape = case_shape(name, world, args.small)
         work = decode_workload(heads=shape["heads"], batch=shape["batch"],
@@ -125,9 +133,11 @@ def run_job(args):
                                 topk=shape["topk"], world=world,
                                 global_blocks=work.global_blocks, sparse_table=shape["table"],
                                 **window)
-        for transport in transports:
+        for gather in gathers:
+            transport = {"none": None, "ipc-fused": "ipc"}.get(gather, gather)
             stream = None if simulator else cupy.cuda.Stream(non_blocking=True)
-            with CandidateExchange(comm, config, transport=transport) as plan:
+            with CandidateExchange(comm, config, transport=transport,
+                                   fused=gather == "ipc-fused") as plan:
                 captured = plan.capture(scores, seq_lens, attention_block_table=table,
                                         stream=stream)
                 for _ in range(3):
@@ -151,19 +161,30 @@ def run_job(args):
                 plan.check()
                 idx = host_copy(out[0] if shape["table"] else out)
                 exact = bool((idx == want).all())
-            rows.append(dict(case=name, world=world, transport=transport or "none",
-                             replay_us=replay_us, iteration_us=iteration_us, exact=exact,
-                             shape=shape))
+                eager = []
+                for _ in range(args.iterations):
+                    start = time.perf_counter()
+                    out = plan(scores, seq_lens, attention_block_table=table, stream=stream)
+                    eager.append(time.perf_counter() - start)
+                    sync(stream)
+                    comm.Barrier()
+                plan.check()
+                idx = host_copy(out[0] if shape["table"] else out)
+                exact = exact and bool((idx == want).all())
+                eager_us = float(np.median(eager)) * 1e6
+                fused = plan.fused
+            rows.append(dict(case=name, world=world, gather=gather, fused=fused,
+                             replay_us=replay_us, iteration_us=iteration_us,
+                             eager_host_us=eager_us, exact=exact, shape=shape))
     everyone = comm.gather(rows, root=0)
     if rank == 0:
         merged = []
         for i, row in enumerate(everyone[0]):
             ranks = [rank_rows[i] for rank_rows in everyone]
-            merged.append(dict(row, replay_us=max(r["replay_us"] for r in ranks),
-                               iteration_us=max(r["iteration_us"] for r in ranks),
+            figures = ("replay_us", "iteration_us", "eager_host_us")
+            merged.append(dict(row, **{f: max(r[f] for r in ranks) for f in figures},
                                exact=all(r["exact"] for r in ranks),
-                               per_rank=[dict(replay_us=r["replay_us"],
-                                              iteration_us=r["iteration_us"]) for r in ranks]))
+                               per_rank=[{f: r[f] for f in figures} for r in ranks]))
         Path(args.job).write_text(json.dumps(merged))
 
 
@@ -213,11 +234,11 @@ def launcher(args, world):
 def print_table(rows, mps):
     print(f"per exchange, slowest rank; ranks share {'one GPU under MPS' if mps else 'the GPUs'}"
           " (or the CPU simulator)")
-    print(f"{'case':>4} {'world':>5} {'transport':>9} {'replay us':>10} {'iteration us':>13} "
-          f"{'exact':>6}")
+    print(f"{'case':>4} {'world':>5} {'gather':>9} {'replay us':>10} {'iteration us':>13} "
+          f"{'eager host us':>14} {'exact':>6}")
     for r in rows:
-        print(f"{r['case']:>4} {r['world']:>5} {r['transport']:>9} {r['replay_us']:>10.1f} "
-              f"{r['iteration_us']:>13.1f} {str(r['exact']):>6}")
+        print(f"{r['case']:>4} {r['world']:>5} {r['gather']:>9} {r['replay_us']:>10.1f} "
+              f"{r['iteration_us']:>13.1f} {r['eager_host_us']:>14.1f} {str(r['exact']):>6}")
 
 
 def plot(rows, path):
@@ -228,10 +249,10 @@ def plot(rows, path):
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for case in sorted({r["case"] for r in rows}):
-        for transport in sorted({r["transport"] for r in rows if r["world"] > 1}):
+        for gather in sorted({r["gather"] for r in rows if r["world"] > 1}):
             points = sorted((r["world"], r["replay_us"]) for r in rows if r["case"] == case
-                            and r["transport"] in (transport, "none"))
-            ax.plot(*zip(*points), marker="o", label=f"{case} {transport}")
+                            and r["gather"] in (gather, "none"))
+            ax.plot(*zip(*points), marker="o", label=f"{case} {gather}")
     ax.set_xlabel("ranks")
     ax.set_ylabel("µs per exchange (back-to-back replays)")
     ax.set_xscale("log", base=2)
@@ -261,7 +282,7 @@ def main(argv=None) -> int:
                 job = os.path.join(tmp, "job.json")
                 command = launcher(args, world) + [
                     sys.executable, str(Path(__file__)), "--job", job, "--cases", args.cases,
-                    "--transports", args.transports, "--replays", str(args.replays),
+                    "--gathers", args.gathers, "--replays", str(args.replays),
                     "--iterations", str(args.iterations)] + (["--small"] if args.small else [])
                 print(f"== world {world}: {' '.join(command)}", flush=True)
                 proc = subprocess.run(command, capture_output=True, text=True)

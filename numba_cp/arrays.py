@@ -53,10 +53,14 @@ class _InterfaceView:
         self.__cuda_array_interface__ = interface
 
 
-def device_view(pointer: int, count: int, dtype):
-    """A Numba device array of ``count`` ``dtype`` at device address ``pointer`` (no owner)."""
-    interface = {"shape": (int(count),), "typestr": np.dtype(dtype).str,
-                 "data": (int(pointer), False), "strides": None, "stream": None, "version": 3}
+def device_view(pointer: int, count, dtype, strides=None):
+    """A Numba device array of ``count`` ``dtype`` at device address ``pointer`` (no owner);
+    ``count`` may be a shape, with byte ``strides``."""
+    shape = tuple(int(n) for n in count) if isinstance(count, tuple) else (int(count),)
+    interface = {"shape": shape, "typestr": np.dtype(dtype).str,
+                 "data": (int(pointer), False),
+                 "strides": None if strides is None else tuple(int(n) for n in strides),
+                 "stream": None, "version": 3}
     return cuda.as_cuda_array(_InterfaceView(interface), sync=False)
 
 

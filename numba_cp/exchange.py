@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,8 +34,10 @@ from .comm import (agree, barrier, checked_request, choose_transport, describe_p
 from .errors import IPCTimeoutError
 from .launcher import call_signature
 from .constants import MAX_GLOBAL_BLOCKS, MAX_PAGE_STRIDE, MAX_PINNED, MAX_TOPK, PAGES
+from .kernels.ipc import PEER_SLOTS
 from .ops import (check_local_topk_keys, check_merge_topk_keys, choose_method,
-                  local_topk_keys, merge_topk_keys)
+                  local_topk_keys, local_topk_keys_to_peers, merge_delivered_keys,
+                  merge_topk_keys)
 
 __all__ = ["ExchangeConfig", "CandidateExchange", "CapturedExchange", "owned_heads",
            "record_graph"]
@@ -114,12 +117,17 @@ class CandidateExchange:
         config: the :class:`ExchangeConfig`, identical on every rank.
         transport: a transport name to force (see :mod:`numba_cp.comm`);
             default: the best one for this machine.
+        fused: with a transport that lets the kernels gather (``ipc``, up to
+            8 ranks), the pack writes its keys straight into every rank's
+            exchange buffer and the merge reads them there: two kernels per
+            exchange. ``None`` (default): fused where possible; ``False``: pack,
+            gather and merge as separate steps; ``True``: fused or an error.
         method, threads, sort_limit: kernel choice and launch tuning, passed
             through to :func:`~numba_cp.local_topk_keys` and the merge.
     """
 
-    def __init__(self, comm, config: ExchangeConfig, *, transport=None, method="auto",
-                 threads=None, sort_limit=None):
+    def __init__(self, comm, config: ExchangeConfig, *, transport=None, fused=None,
+                 method="auto", threads=None, sort_limit=None):
         # Local checks first, inside a guard: their outcome goes through the one
         # agreement collective, so a rank that fails makes every rank raise.
         problem, values = None, None
@@ -130,12 +138,14 @@ class CandidateExchange:
                 raise ValueError(f"config.world is {config.world} but the communicator has "
                                  f"{comm.Get_size()} ranks")
             choose_method(method, config.topk)
+            if fused is not None and not isinstance(fused, (bool, np.bool_)):
+                raise TypeError(f"fused must be None, True or False, got {fused!r}")
             # Under the simulator, a device transport (forced, to exercise it on a CPU)
             # is handed the simulator's device arrays.
             device = not TARGET.simulator or bool(takes_device_arrays(transport))
             values = dataclasses.asdict(config)  # its fields' types are checked: 1.0 is no 1
-            values.update(transport=checked_request(transport, device), method=method,
-                          threads=threads, sort_limit=sort_limit)
+            values.update(transport=checked_request(transport, device), fused=fused,
+                          method=method, threads=threads, sort_limit=sort_limit)
         except Exception as exc:
             problem = describe_problem(exc)
         agree(comm, "CandidateExchange", problem=problem, values=values)
@@ -153,8 +163,14 @@ class CandidateExchange:
         per_shard, merged = c.shard_keys, len(self.heads)
         self._device_payload = device
         self.transport = choose_transport(comm, device=self._device_payload, force=transport)
+        # The same on every rank: the transport was chosen collectively.
+        self.fused, why_not = self._fusion(fused)
+        if fused and not self.fused:
+            self._control.Free()
+            raise ValueError(f"fused=True, but {why_not}")
         if c.world > 1:  # one transport, sized for max_tokens, serves every token count
             self.transport.setup((c.heads, c.max_tokens, per_shard), np.int64)
+        self._delivery = self.transport.delivery() if self.fused else None
         # Flat storage: the first `tokens` rows of every buffer form one contiguous
         # [heads, tokens, ...] block, so calls with fewer tokens keep SPEC's layout.
         place = self._place
@@ -172,6 +188,19 @@ class CandidateExchange:
         self._captured = []  # invalidated on close: their graphs use the plan's buffers
         self._agreed = set()  # call signatures every rank has checked together
         self._failure = None  # why the plan refuses calls, once a gather gave up
+
+    def _fusion(self, requested):
+        """``(fused, why not)`` for this plan's transport and world."""
+        c, t = self.config, self.transport
+        if requested is False:
+            return False, "fused=False"
+        if c.world == 1:
+            return False, "world 1 needs no gather"
+        if not t.delivers:
+            return False, f"the {t.name} transport cannot be fused into the kernels"
+        if c.world > PEER_SLOTS:
+            return False, f"the fused exchange serves up to {PEER_SLOTS} ranks, not {c.world}"
+        return True, ""
 
     def _place(self, host):
         return device_copy(host, simulated_device=self._device_payload)
@@ -194,8 +223,12 @@ class CandidateExchange:
                 sbt = self._sbt[:merged * tokens * c.topk * PAGES].reshape(
                     merged, tokens, c.topk * PAGES)
                 ctx = self._ctx[:merged * tokens].reshape(merged, tokens)
-            keys_to_merge = recv[:, self.heads.start:self.heads.stop]
-            views = self._views[tokens] = (send, recv, keys_to_merge, idx, sbt, ctx)
+            owned = slice(self.heads.start, self.heads.stop)
+            delivered = None
+            if self._delivery is not None:
+                delivered = self._delivery.keys_view((c.heads, tokens, per_shard))[:, owned]
+            views = self._views[tokens] = _Views(send, recv, recv[:, owned], idx, sbt, ctx,
+                                                 delivered)
         return views
 
     # -- stages -----------------------------------------------------------------
@@ -205,11 +238,13 @@ class CandidateExchange:
         return (scores, seq_lens), dict(
             topk=c.shard_keys, rank=self.rank, world=c.world, query_len=c.query_len,
             global_blocks=c.global_blocks, init_blocks=c.init_blocks,
-            local_blocks=c.local_blocks, out=self._views_for(tokens)[0], **self.launch)
+            local_blocks=c.local_blocks, out=self._views_for(tokens).send, **self.launch)
 
-    def _merge_arguments(self, seq_lens, tokens, attention_block_table):
+    def _merge_arguments(self, seq_lens, tokens, attention_block_table, keys=None):
         c = self.config
-        _, _, keys, idx, sbt, ctx = self._views_for(tokens)
+        views = self._views_for(tokens)
+        keys = views.keys if keys is None else keys
+        idx, sbt, ctx = views.idx, views.sbt, views.ctx
         if c.sparse_table and attention_block_table is None:
             raise ValueError("attention_block_table is required: the plan was built with "
                              "sparse_table=True")
@@ -250,7 +285,8 @@ class CandidateExchange:
         return self._all_gather(tokens, stream)
 
     def _all_gather(self, tokens, stream):
-        send, recv = self._views_for(tokens)[:2]
+        views = self._views_for(tokens)
+        send, recv = views.send, views.recv
         if self.config.world == 1:
             return recv  # send is recv[0]
         if ("tokens", tokens) not in self._agreed:
@@ -266,8 +302,25 @@ class CandidateExchange:
     def _merge(self, seq_lens, tokens, attention_block_table, stream):
         args, kwargs = self._merge_arguments(seq_lens, tokens, attention_block_table)
         merge_topk_keys(*args, stream=stream, **kwargs)
-        _, _, _, idx, sbt, ctx = self._views_for(tokens)
-        return (idx, sbt, ctx) if self.config.sparse_table else idx
+        return self._outputs(tokens)
+
+    def _outputs(self, tokens):
+        views = self._views_for(tokens)
+        return (views.idx, views.sbt, views.ctx) if self.config.sparse_table else views.idx
+
+    def _exchange_delivered(self, scores, seq_lens, attention_block_table, stream):
+        """The fused exchange: the pack delivers into every rank, the merge reads in place."""
+        d = self._delivery
+        tokens = self._tokens_of(scores)
+        args, kwargs = self._pack_arguments(scores, seq_lens, tokens)
+        del kwargs["out"]
+        local_topk_keys_to_peers(*args, ctrl=d.ctrl, peers=d.peers, data_start=d.data_start,
+                                 slot=d.slot, stream=stream, **kwargs)
+        args, kwargs = self._merge_arguments(seq_lens, tokens, attention_block_table,
+                                             keys=self._views_for(tokens).delivered)
+        merge_delivered_keys(*args, ctrl=d.ctrl, flags=d.flags, errors=d.errors,
+                             timeout_ns=d.timeout_ns, stream=stream, **kwargs)
+        return self._outputs(tokens)
 
     def __call__(self, scores, seq_lens, *, attention_block_table=None, stream=None):
         """The whole exchange. Returns ``topk_idx`` ``[merged heads, tokens, topk]``,
@@ -285,6 +338,8 @@ class CandidateExchange:
             self._agree_on_call(scores, seq_lens, attention_block_table)
             if key is not None:
                 self._agreed.add(key)
+        if self.fused:
+            return self._exchange_delivered(scores, seq_lens, attention_block_table, stream)
         self._pack(scores, seq_lens, stream)
         tokens = scores.shape[1]
         self._all_gather(tokens, stream)
@@ -357,7 +412,8 @@ class CandidateExchange:
             return "none (world 1: the shard's keys are the gathered keys)"
         t = self.transport
         reason = f" ({t.reason})" if getattr(t, "reason", "") else ""
-        return f"{t.name}{reason}"
+        fused = ", fused into pack and merge" if self.fused else ""
+        return f"{t.name}{reason}{fused}"
 
     @property
     def gather_is_capturable(self) -> bool:
@@ -391,15 +447,34 @@ class CandidateExchange:
             return self.merge(seq_lens, tokens, attention_block_table=attention_block_table,
                               stream=s)
 
-        if self.gather_is_capturable:
+        if self.fused:
+            def exchange(s):
+                self._refuse_if_failed()
+                self._exchange_delivered(scores, seq_lens, attention_block_table, s)
+
+            segments = [(record_graph(exchange, stream), None)]
+        elif self.gather_is_capturable:
             segments = [(record_graph(lambda s: (pack(s), gather(s), merge(s)), stream), None)]
         else:
             segments = [(record_graph(pack, stream), gather), (record_graph(merge, stream), None)]
-        captured = CapturedExchange(segments, self._views_for(tokens)[3:],
+        views = self._views_for(tokens)
+        captured = CapturedExchange(segments, (views.idx, views.sbt, views.ctx),
                                     self.config.sparse_table, stream, self._refuse_if_failed,
                                     keep=(scores, seq_lens, attention_block_table))
         self._captured.append(captured)
         return captured
+
+
+class _Views(NamedTuple):
+    """A plan's buffers for one token count, as the kernels take them."""
+
+    send: object  # [heads, tokens, per_shard]: this rank's keys
+    recv: object  # [world, heads, tokens, per_shard]: every rank's
+    keys: object  # recv's merged heads
+    idx: object
+    sbt: object
+    ctx: object
+    delivered: object  # fused: [2 * world, merged heads, tokens, per_shard] in the IPC buffer
 
 
 def record_graph(work, stream):

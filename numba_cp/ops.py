@@ -12,11 +12,13 @@ from . import validate
 from .arrays import as_kernel_array
 from .backend import TARGET
 from .constants import MAX_GLOBAL_BLOCKS, MAX_PAGE_STRIDE, MAX_PINNED, MAX_TOPK, PAGES
+from .kernels import ipc as ipc_kernels
 from .kernels import radix, warp
 from .launcher import KernelLaunch, LaunchCache
 
 __all__ = ["local_topk_keys", "merge_topk_keys", "check_local_topk_keys",
-           "check_merge_topk_keys", "METHODS", "choose_method"]
+           "check_merge_topk_keys", "METHODS", "choose_method", "local_topk_keys_to_peers",
+           "merge_delivered_keys"]
 
 # "warp": warps sort in registers (numba_cp.kernels.warp), for topk up to
 # lanes * MAX_LANE_SLOTS; "radix": block-wide radix select + shared-memory sort
@@ -175,6 +177,27 @@ def _pack_launch(scores, seq_lens, out, *scalars):
 
 def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_blocks,
                      local_blocks, method, threads, sort_limit):
+    scores_a, seq_lens_a, out_a = (as_kernel_array(a, name) for a, name in
+                                   zip(arrays, ("scores", "seq_lens", "out")))
+    scalars = _pack_scalars(scores_a, seq_lens_a, topk, rank, world, query_len, global_blocks,
+                            init_blocks, local_blocks)
+    validate.dtype(out_a, "int64")
+    validate.ndim(out_a, 3)
+    validate.writable_output(out_a)
+    heads, tokens, _ = scores_a.shape
+    validate.dim(out_a, 0, heads, "heads, as in scores")
+    validate.dim(out_a, 1, tokens, "tokens, as in scores")
+    validate.dim_at_least(out_a, 2, scalars[0], "topk")
+    family, shape, threads = _pack_family(scalars, method, threads, sort_limit)
+    if not (heads and tokens):
+        return _NoWork()
+    return KernelLaunch(family.pack_kernel(*shape), (tokens, heads), threads, scalars,
+                        footprint=validate.Footprint([scores_a, seq_lens_a, out_a], {"out"}))
+
+
+def _pack_scalars(scores_a, seq_lens_a, topk, rank, world, query_len, global_blocks,
+                  init_blocks, local_blocks):
+    """Validate the pack's scalars and its inputs; returns the scalars, as the kernels take them."""
     topk = validate.integer("topk", topk, low=1, high=MAX_TOPK + 1)
     world = validate.integer("world", world, low=1)
     rank = validate.integer("rank", rank, low=0, high=world)
@@ -183,34 +206,78 @@ def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_b
                                      high=MAX_GLOBAL_BLOCKS)
     init_blocks = validate.integer("init_blocks", init_blocks, low=0, high=MAX_PINNED + 1)
     local_blocks = validate.integer("local_blocks", local_blocks, low=0, high=MAX_PINNED + 1)
-
-    scores_a, seq_lens_a, out_a = (as_kernel_array(a, name) for a, name in
-                                   zip(arrays, ("scores", "seq_lens", "out")))
     validate.dtype(scores_a, "float32")
     validate.ndim(scores_a, 3)
-    validate.dtype(out_a, "int64")
-    validate.ndim(out_a, 3)
-    validate.writable_output(out_a)
-    heads, tokens, local = scores_a.shape
-    validate.dim(out_a, 0, heads, "heads, as in scores")
-    validate.dim(out_a, 1, tokens, "tokens, as in scores")
-    validate.dim_at_least(out_a, 2, topk, "topk")
-    validate.rows(tokens, query_len, seq_lens_a)
+    validate.rows(scores_a.shape[1], query_len, seq_lens_a)
     validate.dim_at_least(scores_a, 2, -(-global_blocks // world),
                           "local columns: ceil(global_blocks / world)")
+    return [topk, rank, world, query_len, global_blocks, init_blocks, local_blocks]
 
+
+def _pack_family(scalars, method, threads, sort_limit):
+    """``(family module, kernel shape, threads per block)`` of a pack."""
+    topk, _, world, _, global_blocks = scalars[:5]
     candidates = -(-global_blocks // world)
     if choose_method(method, topk) == "warp":
-        run, slots, warps = _warp_shape(topk, candidates, threads, sort_limit)
-        kernel, threads = warp.pack_kernel(run, slots, warps), warps * TARGET.lanes
-    else:
-        threads, capacity = _radix_shape(topk, candidates, threads, sort_limit)
-        kernel = radix.pack_kernel(capacity)
+        shape = _warp_shape(topk, candidates, threads, sort_limit)
+        return warp, shape, shape[2] * TARGET.lanes
+    threads, capacity = _radix_shape(topk, candidates, threads, sort_limit)
+    return radix, (capacity,), threads
+
+
+def local_topk_keys_to_peers(scores, seq_lens, *, topk, rank, world, query_len, global_blocks,
+                             init_blocks, local_blocks, ctrl, peers, data_start, slot,
+                             stream=None, method="auto", threads=None, sort_limit=None):
+    """:func:`local_topk_keys`, delivering the keys into every rank's exchange buffer.
+
+    The pack of the fused IPC exchange (protocol: :mod:`numba_cp.kernels.ipc`):
+    ``peers[q]`` is rank ``q``'s whole exchange buffer as int64 words (flags
+    from word 0, the two data halves of ``world`` slots of ``slot`` words from
+    ``data_start``), ``ctrl`` this rank's control words. The keys land in the
+    send layout ``[heads, tokens, topk]`` of this rank's slot, and the grid's
+    last block raises this rank's flag in every peer.
+    """
+    # Unused peer parameters repeat a buffer; the kernel never touches them.
+    arrays = (scores, seq_lens, ctrl, *peers, *peers[:1] * (ipc_kernels.PEER_SLOTS - len(peers)))
+    launch, pointers = _PACK_LAUNCHES.launch_for(
+        arrays, (topk, rank, world, query_len, global_blocks, init_blocks, local_blocks,
+                 data_start, slot, len(peers), method, threads, sort_limit), _plan_pack_to_peers)
+    launch(arrays, stream, pointers)
+
+
+def _plan_pack_to_peers(arrays, topk, rank, world, query_len, global_blocks, init_blocks,
+                        local_blocks, data_start, slot, npeers, method, threads, sort_limit):
+    scores_a, seq_lens_a = (as_kernel_array(a, name) for a, name in
+                            zip(arrays, ("scores", "seq_lens")))
+    scalars = _pack_scalars(scores_a, seq_lens_a, topk, rank, world, query_len, global_blocks,
+                            init_blocks, local_blocks)
+    world = scalars[2]
+    if not 1 <= world <= ipc_kernels.PEER_SLOTS:
+        raise ValueError(f"world: delivering packs serve 1 to {ipc_kernels.PEER_SLOTS} ranks, "
+                         f"got {world}")
+    if npeers != world:
+        raise ValueError(f"peers: one exchange buffer per rank ({world}), got {npeers}")
+    heads, tokens, _ = scores_a.shape
+    slot = validate.integer("slot", slot, low=heads * tokens * scalars[0])
+    data_start = validate.integer("data_start", data_start, low=world + 1)
+    ctrl_a = as_kernel_array(arrays[2], "ctrl")
+    _words(ctrl_a, ipc_kernels.CTRL_WORDS)
+    for q in range(world):
+        _words(as_kernel_array(arrays[3 + q], f"peers[{q}]"), data_start + 2 * world * slot)
+    family, shape, threads = _pack_family(scalars, method, threads, sort_limit)
     if not (heads and tokens):
         return _NoWork()
-    return KernelLaunch(kernel, (tokens, heads), threads,
-                        [topk, rank, world, query_len, global_blocks, init_blocks, local_blocks],
-                        footprint=validate.Footprint([scores_a, seq_lens_a, out_a], {"out"}))
+    return KernelLaunch(family.pack_to_peers_kernel(*shape), (tokens, heads), threads,
+                        scalars + [data_start, slot])
+
+
+def _words(array, least):
+    """A C-contiguous 1-D int64 array of at least ``least`` words (the exchange's)."""
+    validate.dtype(array, "int64")
+    validate.ndim(array, 1)
+    if array.strides not in (None, (8,)):
+        raise ValueError(f"{array.name}: must be contiguous, got strides {array.strides}")
+    validate.dim_at_least(array, 0, least, "words")
 
 
 def _table_arrays(heads, tokens, topk, requests, attention_block_table,
@@ -314,12 +381,62 @@ def _merge_launch(arrays, scalars):
 
 def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride, method,
                 threads, sort_limit):
-    keys, topk_idx, seq_lens, attention_block_table, sparse_block_table_out, \
+    keys_a = as_kernel_array(arrays[0], "keys")
+    return _merge_launch_for(keys_a, keys_a.shape[0] if keys_a.ndim == 4 else 0, arrays[1:],
+                             [], [], query_len, init_blocks, local_blocks, block_page_stride,
+                             method, threads, sort_limit)
+
+
+def merge_delivered_keys(keys, topk_idx, seq_lens, *, ctrl, flags, errors, timeout_ns,
+                         query_len, init_blocks, local_blocks, attention_block_table=None,
+                         sparse_block_table_out=None, sparse_context_lens_out=None,
+                         block_page_stride=None, stream=None, method="auto", threads=None,
+                         sort_limit=None):
+    """:func:`merge_topk_keys` of the fused IPC exchange: wait, then merge in place.
+
+    ``keys`` is int64 ``[2 * world, heads, tokens, per_shard]``, both halves
+    of this rank's exchange buffer's slots; each block of the merge waits (at
+    most ``timeout_ns`` of wall clock) until ``flags`` say that every rank
+    delivered this call, and reads the half of this call's epoch (``ctrl``).
+    A wait that gives up is recorded in ``ctrl`` and ``errors`` (protocol:
+    :mod:`numba_cp.kernels.ipc`). Other arguments as :func:`merge_topk_keys`.
+    """
+    arrays = (keys, topk_idx, seq_lens, ctrl, flags, errors, attention_block_table,
+              sparse_block_table_out, sparse_context_lens_out)
+    launch, pointers = _MERGE_LAUNCHES.launch_for(
+        arrays, (timeout_ns, query_len, init_blocks, local_blocks, block_page_stride, method,
+                 threads, sort_limit), _plan_merge_delivered)
+    launch(arrays, stream, pointers)
+    return topk_idx
+
+
+def _plan_merge_delivered(arrays, timeout_ns, query_len, init_blocks, local_blocks,
+                          block_page_stride, method, threads, sort_limit):
+    keys_a = as_kernel_array(arrays[0], "keys")
+    halves = keys_a.shape[0] if keys_a.ndim == 4 else 0
+    if halves < 2 or halves % 2:
+        raise ValueError(f"keys: [2 * world, heads, tokens, per_shard] (both halves of the "
+                         f"exchange buffer), got shape {keys_a.shape}")
+    world = halves // 2
+    waits = [as_kernel_array(a, name) for a, name in zip(arrays[3:6], ("ctrl", "flags", "errors"))]
+    for array, least in zip(waits, (ipc_kernels.CTRL_WORDS, world + 1,
+                                    ipc_kernels.ERROR_WORDS)):
+        _words(array, least)
+    timeout_ns = validate.integer("timeout_ns", timeout_ns, low=1)
+    return _merge_launch_for(keys_a, world, arrays[1:3] + arrays[6:], waits, [timeout_ns],
+                             query_len, init_blocks, local_blocks, block_page_stride, method,
+                             threads, sort_limit)
+
+
+def _merge_launch_for(keys_a, world, arrays, waits, wait_scalars, query_len, init_blocks,
+                      local_blocks, block_page_stride, method, threads, sort_limit):
+    """The merge launch over ``world`` ranks' keys; with ``waits`` (ctrl, flags,
+    errors) the delivered kernels, which take them after ``seq_lens``."""
+    topk_idx, seq_lens, attention_block_table, sparse_block_table_out, \
         sparse_context_lens_out = arrays
     query_len = validate.integer("query_len", query_len, low=1)
     init_blocks = validate.integer("init_blocks", init_blocks, low=0, high=MAX_PINNED + 1)
     local_blocks = validate.integer("local_blocks", local_blocks, low=0, high=MAX_PINNED + 1)
-    keys_a = as_kernel_array(keys, "keys")
     idx_a = as_kernel_array(topk_idx, "topk_idx")
     seq_lens_a = as_kernel_array(seq_lens, "seq_lens")
     validate.dtype(keys_a, "int64")
@@ -327,7 +444,7 @@ def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride,
     validate.dtype(idx_a, "int32")
     validate.ndim(idx_a, 3)
     validate.writable_output(idx_a)
-    world, heads, tokens, per_shard = keys_a.shape
+    _, heads, tokens, per_shard = keys_a.shape
     validate.dim_at_least(keys_a, 0, 1, "world")
     validate.dim(idx_a, 0, heads, "heads, as in keys")
     validate.dim(idx_a, 1, tokens, "tokens, as in keys")
@@ -350,12 +467,15 @@ def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride,
     if not (heads and tokens):
         return _NoWork()
     scalars = [query_len, init_blocks, local_blocks]
-    inputs = [keys_a, idx_a, seq_lens_a]
+    inputs = [keys_a, idx_a, seq_lens_a] + waits
     outputs = {"topk_idx", "sparse_block_table_out", "sparse_context_lens_out"}
+    delivered = bool(waits)
     if tables is None:
-        return KernelLaunch(family.merge_kernel(*shape), (tokens, heads), threads, scalars,
+        kernel = (family.merge_delivered_kernel if delivered else family.merge_kernel)(*shape)
+        return KernelLaunch(kernel, (tokens, heads), threads, scalars + wait_scalars,
                             footprint=validate.Footprint(inputs + [None] * 3, outputs))
     page_stride, table_arrays = tables
-    return KernelLaunch(family.merge_table_kernel(*shape), (tokens, heads), threads,
-                        scalars + [page_stride],
+    kernel = (family.merge_delivered_table_kernel if delivered
+              else family.merge_table_kernel)(*shape)
+    return KernelLaunch(kernel, (tokens, heads), threads, scalars + [page_stride] + wait_scalars,
                         footprint=validate.Footprint(inputs + table_arrays, outputs))

@@ -22,6 +22,7 @@ def test_bench_exchange_small_run(tmp_path, mpiexec):
                           text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["world"], r["transport"]) for r in rows] == [(1, "none"), (2, "ipc"),
-                                                            (2, "staged")]
+    assert [(r["world"], r["gather"], r["fused"]) for r in rows] == [
+        (1, "none", False), (2, "ipc-fused", True), (2, "ipc", False), (2, "staged", False)]
     assert all(r["exact"] and len(r["per_rank"]) == r["world"] for r in rows), rows
+    assert all(r["eager_host_us"] > 0 for r in rows), rows

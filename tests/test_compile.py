@@ -37,16 +37,19 @@ def test_every_kernel_compiles_to_ptx_for_sm90():
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if "[cap=" in line]
-    assert len(lines) == 12 and all(" ok " in line for line in lines), proc.stdout
+    # 2 sort tiles x 2 seq_lens dtypes x 6 kernels (pack, merge, merge + table; and the
+    # fused exchange's three)
+    assert len(lines) == 24 and all(" ok " in line for line in lines), proc.stdout
     warp = [line for line in proc.stdout.splitlines() if "_warp[" in line]
-    assert len(warp) == 6, proc.stdout  # register-only: a local-memory depot fails the line
+    assert len(warp) == 12, proc.stdout  # register-only: a local-memory depot fails the line
     assert all(" ok " in line and " 0 B local memory" in line for line in warp), proc.stdout
     ipc = [line for line in proc.stdout.splitlines() if line.startswith("ipc_")]
     assert len(ipc) == 5 and all(" ok " in line for line in ipc), proc.stdout  # IPC all-gather
 
 
 # The memory-model instructions each IPC kernel must keep after NVVM (the protocol in
-# numba_cp.kernels.ipc relies on them), then ptxas's job done by nvJitLink.
+# numba_cp.kernels.ipc relies on them), then ptxas's job done by nvJitLink; the fused
+# exchange's kernels for one shape of each family too.
 _ASSEMBLE = """
 import sys
 from numba import types
@@ -54,14 +57,20 @@ from cuda.bindings import nvjitlink as J
 from numba_cp._numba import stand_in_device
 from numba_cp.backend import cuda
 from numba_cp.compile_check import specialisations
-NEEDS = {"ipc_push": (b"st.release.sys", b"membar.sys"),
-         "ipc_wait_copy": (b"ld.acquire.sys", b"membar.sys", b"nanosleep"), "ipc_bump": ()}
+SIGNAL = (b"st.release.sys", b"membar.sys")
+WAIT = (b"ld.acquire.sys", b"membar.sys", b"nanosleep")
+NEEDS = {"ipc_push": SIGNAL, "ipc_wait_copy": WAIT, "ipc_bump": (),
+         "shard_topk_keys_to_peers_warp": SIGNAL, "merge_delivered_topk_ids_warp": WAIT,
+         "merge_delivered_topk_ids_and_table_warp": WAIT, "shard_topk_keys_to_peers": SIGNAL,
+         "merge_delivered_topk_ids": WAIT, "merge_delivered_topk_ids_and_table": WAIT}
+FUSED_SHAPES = ("[run=16,slots=2,warps=1]", "[cap=16,seq_lens=int32]")
 with stand_in_device("cuda", compute_capability=(9, 0)):
     for label, fn, sig in specialisations():
-        if not label.startswith("ipc_"):
+        name = label.split("[")[0]
+        if name not in NEEDS or not (name.startswith("ipc_") or label.endswith(FUSED_SHAPES)):
             continue
         ptx = cuda.compile_ptx(fn, sig, cc=(9, 0))[0].encode()
-        for needle in NEEDS[label.split("[")[0]]:
+        for needle in NEEDS[name]:
             if needle not in ptx:
                 sys.exit(f"{label}: no {needle.decode()} in the PTX")
         options = ["-arch=sm_90"]
@@ -85,6 +94,12 @@ def test_ipc_kernels_assemble_for_sm90():
         pytest.skip("libnvJitLink is not loadable")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     labels = [line.split()[0] for line in proc.stdout.splitlines()]
-    assert labels == ["ipc_bump[ctrl=int64]", "ipc_push[unit=uint64]", "ipc_push[unit=uint8]",
-                      "ipc_wait_copy[unit=uint64]", "ipc_wait_copy[unit=uint8]"], proc.stdout
+    fused = [f"{name}{shape}" for shape, suffix in (("[run=16,slots=2,warps=1]", "_warp"),
+                                                     ("[cap=16,seq_lens=int32]", ""))
+             for name in ("shard_topk_keys_to_peers", "merge_delivered_topk_ids",
+                          "merge_delivered_topk_ids_and_table")
+             for name in [name + suffix]]
+    assert labels == fused + [
+        "ipc_bump[ctrl=int64]", "ipc_push[unit=uint64]", "ipc_push[unit=uint8]",
+        "ipc_wait_copy[unit=uint64]", "ipc_wait_copy[unit=uint8]"], proc.stdout
     assert all(int(line.split()[1]) > 0 for line in proc.stdout.splitlines()), proc.stdout

@@ -173,6 +173,15 @@ def test_plan_rejects_a_world_other_than_the_communicators():
         CandidateExchange(MPI.COMM_SELF, small_config(world=2))
 
 
+def test_fused_is_asked_for_with_a_bool_and_refused_where_it_cannot_run():
+    with pytest.raises(RankAgreementError, match="fused must be None, True or False, got 1"):
+        CandidateExchange(MPI.COMM_SELF, small_config(), fused=1)
+    with pytest.raises(ValueError, match="fused=True, but world 1 needs no gather"):
+        CandidateExchange(MPI.COMM_SELF, small_config(), fused=True)
+    with CandidateExchange(MPI.COMM_SELF, small_config(), fused=None) as plan:
+        assert plan.fused is False and "fused" not in plan.describe()
+
+
 def test_plan_rejects_misused_table_and_token_counts():
     with CandidateExchange(MPI.COMM_SELF, small_config()) as plan:
         scores = to_device(np.zeros((3, 6, 20), np.float32))

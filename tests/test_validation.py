@@ -230,3 +230,53 @@ def test_any_integer_seq_lens_select_as_the_oracle(dtype, values):
                            global_blocks=global_blocks, query_len=1, init_blocks=1,
                            local_blocks=1)
     np.testing.assert_array_equal(to_host(idx), want)
+
+
+def _delivery_arrays(world=2, heads=2, tokens=4, topk=4, slot=None):
+    slot = heads * tokens * topk if slot is None else slot
+    start = world + 1
+    peers = [to_device(np.zeros(start + 2 * world * slot, np.int64)) for _ in range(world)]
+    return dict(ctrl=to_device(np.zeros(8, np.int64)), peers=peers, data_start=start,
+                slot=slot)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(world=9, rank=0), ValueError, "world: delivering packs serve 1 to 8 ranks"),
+    (dict(peers_count=1), ValueError, r"peers: one exchange buffer per rank \(2\), got 1"),
+    (dict(slot=31), ValueError, "slot"),
+    (dict(data_start=2), ValueError, "data_start"),
+    (dict(short_peer=True), ValueError, r"peers\[1\]"),
+    (dict(ctrl_dtype=np.int32), TypeError, "ctrl"),
+])
+def test_delivering_pack_rejects(change, error, message):
+    world = change.get("world", 2)
+    arrays = _delivery_arrays()
+    if "peers_count" in change:
+        arrays["peers"] = arrays["peers"][:change["peers_count"]]
+    if change.get("short_peer"):
+        arrays["peers"][1] = to_device(np.zeros(10, np.int64))
+    if "ctrl_dtype" in change:
+        arrays["ctrl"] = to_device(np.zeros(8, change["ctrl_dtype"]))
+    for key in ("slot", "data_start"):
+        if key in change:
+            arrays[key] = change[key]
+    scores = to_device(np.zeros((2, 4, 16), np.float32))
+    seq_lens = to_device(np.full(4, 128 * 16, np.int32))
+    with pytest.raises(error, match=message):
+        numba_cp.ops.local_topk_keys_to_peers(
+            scores, seq_lens, topk=4, rank=change.get("rank", 1), world=world, query_len=1,
+            global_blocks=16, init_blocks=1, local_blocks=1, **arrays)
+
+
+@pytest.mark.parametrize("halves, flags, error, message", [
+    (3, 3, ValueError, r"keys: \[2 \* world"),
+    (4, 2, ValueError, "flags"),
+])
+def test_delivered_merge_rejects(halves, flags, error, message):
+    keys = to_device(np.zeros((halves, 2, 4, 4), np.int64))
+    with pytest.raises(error, match=message):
+        numba_cp.ops.merge_delivered_keys(
+            keys, to_device(np.zeros((2, 4, 4), np.int32)), to_device(np.full(4, 128, np.int32)),
+            ctrl=to_device(np.zeros(8, np.int64)), flags=to_device(np.zeros(flags, np.int64)),
+            errors=to_device(np.zeros(4, np.int64)), timeout_ns=10**9, query_len=1,
+            init_blocks=1, local_blocks=1)

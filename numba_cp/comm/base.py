@@ -189,12 +189,15 @@ class Transport:
     ``device``: whether it takes device arrays (True) or host NumPy arrays.
     ``capturable``: whether :meth:`all_gather` only queues device work on the
     stream, so that a CUDA/HIP graph can capture it (MPI calls block the host).
+    ``delivers``: whether the pack and merge kernels can do the gather
+    themselves (the fused IPC exchange): then it has a ``delivery()``.
     Subclasses implement ``_setup``, ``_teardown`` and ``_all_gather``.
     """
 
     name = ""
     device = False
     capturable = False
+    delivers = False
 
     def __init__(self, comm):
         self.comm = comm

@@ -34,6 +34,8 @@ import os
 import secrets
 import tempfile
 
+from typing import Callable, NamedTuple
+
 import numpy as np
 
 from .._numba import simulated_device_view
@@ -41,9 +43,10 @@ from ..arrays import device_view, resolve_stream
 from ..backend import COMPILE_ONLY, TARGET, cuda
 from ..errors import IPCTimeoutError
 from ..kernels import ipc as K
+from . import _hip
 from .base import Transport, agree, describe_problem, register_transport, seconds_from_env
 
-__all__ = ["IPCLayout", "CudaIPCMemory", "HostIPCMemory", "IPCEngine", "IPCAllGather",
+__all__ = ["IPCLayout", "CudaIPCMemory", "HostIPCMemory", "IPCEngine", "IPCAllGather", "Delivery",
            "ipc_memory", "local_probe", "gpu_identity", "peer_access", "TIMEOUT_ENV",
            "DEFAULT_TIMEOUT_S", "timeout_from_env"]
 
@@ -106,10 +109,15 @@ class _Region:
     def view(self, offset: int, count: int, dtype):
         """``count`` elements of ``dtype`` at byte ``offset`` as a kernel array."""
         dtype = np.dtype(dtype)
-        if offset < 0 or offset + count * dtype.itemsize > self.nbytes:
-            raise ValueError(f"view [{offset}, +{count * dtype.itemsize}) outside the "
-                             f"{self.nbytes}-byte region")
-        return self.memory.view(self, offset, count, dtype)
+        return self.strided_view(offset, (count,), (dtype.itemsize,), dtype)
+
+    def strided_view(self, offset: int, shape, strides, dtype):
+        """An array of ``shape`` with byte ``strides`` (non-negative) at byte ``offset``."""
+        dtype = np.dtype(dtype)
+        end = offset + sum((n - 1) * st for n, st in zip(shape, strides)) + dtype.itemsize
+        if offset < 0 or (all(shape) and end > self.nbytes):
+            raise ValueError(f"view [{offset}, {end}) outside the {self.nbytes}-byte region")
+        return self.memory.view(self, offset, tuple(shape), tuple(strides), dtype)
 
 
 class CudaIPCMemory:
@@ -117,6 +125,7 @@ class CudaIPCMemory:
 
     Buffers come from ``runtime.malloc`` itself, not CuPy's memory pool: an IPC
     handle names a whole allocation, and a pool hands out pieces of larger ones.
+    On HIP they are uncached device memory (:func:`numba_cp.comm._hip.malloc_uncached`).
     """
 
     kind = "cuda-ipc"
@@ -127,7 +136,10 @@ class CudaIPCMemory:
         self.runtime = cupy.cuda.runtime
 
     def allocate(self, nbytes: int) -> _Region:
-        pointer = self.runtime.malloc(nbytes)
+        # On AMD GPUs the buffers are uncached, so that keys and flags written over
+        # XGMI are seen by the peer's next load (numba_cp.comm._hip says why).
+        pointer = _hip.malloc_uncached(nbytes) if TARGET.name == "hip" else \
+            self.runtime.malloc(nbytes)
         try:
             self.runtime.memset(pointer, 0, nbytes)
             self.runtime.deviceSynchronize()  # zeroed before any peer can see it
@@ -144,8 +156,8 @@ class CudaIPCMemory:
             bytes(handle), self.runtime.cudaIpcMemLazyEnablePeerAccess)
         return _Region(self, pointer, nbytes, owned=False)
 
-    def view(self, region, offset, count, dtype):
-        return device_view(region.pointer + offset, count, dtype)
+    def view(self, region, offset, shape, strides, dtype):
+        return device_view(region.pointer + offset, shape, dtype, strides)
 
     def published(self, region: _Region):
         """Every peer has opened ``region`` (nothing to do for CUDA IPC)."""
@@ -233,8 +245,8 @@ class HostIPCMemory:
         return _Region(self, array.__array_interface__["data"][0], nbytes, owned=False,
                        keep=[mapping, array, None])
 
-    def view(self, region, offset, count, dtype):
-        host = region.keep[1][offset:offset + count * dtype.itemsize].view(dtype)
+    def view(self, region, offset, shape, strides, dtype):
+        host = np.ndarray(shape, dtype, buffer=region.keep[1], offset=offset, strides=strides)
         view = simulated_device_view(host)
         region._views.append(view)
         return view
@@ -373,6 +385,9 @@ class IPCEngine:
                             for r in regions] for unit in (1, 8)}
         self.own_flags = self.flags[self.rank]
         self._views = {}
+        # The fused exchange addresses every buffer as one run of int64 words.
+        self.words = [r.view(0, L.total_bytes // 8, np.int64) for r in regions]
+        self._own_region = regions[self.rank]
 
     # -- per-call pieces ------------------------------------------------------
 
@@ -432,6 +447,28 @@ class IPCEngine:
         self.push(send, nbytes, unit, stream)
         self.wait_copy(recv, nbytes, unit, stream)
 
+    # -- the fused exchange's arguments --------------------------------------
+
+    def delivery(self) -> "Delivery":
+        """What the delivering pack and the delivered merge take (see :class:`Delivery`)."""
+        L = self.layout
+        return Delivery(ctrl=self.ctrl, peers=tuple(self.words), data_start=L.flag_bytes // 8,
+                        slot=L.slot_bytes // 8, flags=self.own_flags, errors=self.errors,
+                        timeout_ns=self.timeout_ns, keys_view=self.delivered_keys)
+
+    def delivered_keys(self, shape):
+        """int64 ``[2 * world, *shape]`` over both halves of this rank's slots: rank
+        ``q``'s keys of a call of epoch ``e`` are ``[(e & 1) * world + q]``, in the
+        send layout (``shape`` C-ordered from the slot's start)."""
+        L = self.layout
+        inner = [8]
+        for n in reversed(shape[1:]):
+            inner.insert(0, inner[0] * n)
+        if int(np.prod(shape)) * 8 > L.slot_bytes:
+            raise ValueError(f"keys of shape {tuple(shape)} do not fit a {L.slot_bytes}-byte slot")
+        return self._own_region.strided_view(L.flag_bytes, (2 * self.world, *shape),
+                                             (L.slot_bytes, *inner), np.int64)
+
     # -- host-side inspection (synchronises) ------------------------------------
 
     def state(self) -> dict:
@@ -441,6 +478,26 @@ class IPCEngine:
         return dict(epoch=int(ctrl[K.EPOCH]), error_epoch=int(ctrl[K.ERR_EPOCH]),
                     error_peer=int(ctrl[K.ERR_PEER]) - 1, poisoned_by=int(flags[-1]) - 1,
                     flags=[int(x) for x in flags[:-1]])
+
+
+class Delivery(NamedTuple):
+    """One rank's arguments of the fused exchange's kernels (:mod:`numba_cp.ops`).
+
+    ``peers[q]``: rank ``q``'s exchange buffer as int64 words (flags, then the
+    data halves from word ``data_start``, ``world`` slots of ``slot`` words
+    each); ``ctrl``, ``flags``, ``errors``: this rank's control words, its
+    own flags and its host-mapped error words; ``keys_view(shape)``: the
+    merge's view of both halves (:meth:`IPCEngine.delivered_keys`).
+    """
+
+    ctrl: object
+    peers: tuple
+    data_start: int
+    slot: int
+    flags: object
+    errors: object
+    timeout_ns: int
+    keys_view: Callable
 
 
 def timeout_from_env(default: float = DEFAULT_TIMEOUT_S) -> float:
@@ -480,6 +537,7 @@ class IPCAllGather(Transport):
     name = "ipc"
     device = True
     capturable = True
+    delivers = True
 
     def __init__(self, comm, *, timeout: float | None = None):
         super().__init__(comm)
@@ -563,6 +621,12 @@ class IPCAllGather(Transport):
         flat_recv = engine.flat(recv_view, recv_range[0], recv_range[1], unit)
         engine.all_gather(flat_send, flat_recv, nbytes, unit, resolve_stream(stream))
         return recv
+
+    def delivery(self) -> Delivery | None:
+        """The fused exchange's arguments (None for a zero-byte payload: nothing moves)."""
+        if not self.is_setup:
+            raise RuntimeError(f"{self.name}: call setup(shape, dtype) first")
+        return None if self.engine is None else self.engine.delivery()
 
     def failure(self) -> str | None:
         """Why gathers on this rank are unreliable, or None; reads host-mapped error

@@ -56,6 +56,40 @@ garbage; :meth:`~numba_cp.comm.ipc.IPCAllGather.check` reads the full state
 Calls of one transport must be ordered (one stream, or the caller orders
 the streams); :data:`COUNTER` and the epoch assume it.
 
+The fused exchange (two kernels per exchange). The same protocol, moved into
+the pack and merge kernels so that nothing runs between them and nothing is
+copied out: the pack kernel (:func:`open_delivery`, :func:`deliver_key`,
+:func:`close_delivery`) reads ``e = ctrl[EPOCH] + 1``, writes each ``(head,
+row)``'s keys straight into slot ``rank`` of half ``e & 1`` of every rank's
+buffer (its own included), in the send layout ``[heads, tokens, per_shard]``,
+fences at system scope, and its grid's last block stores ``e`` into
+``ctrl[EPOCH]`` and ``flags[rank]`` of every rank (release). The merge kernel
+(:func:`await_delivery`) waits in every block, as step 3 does, for every
+``flags[q] >= ctrl[EPOCH]`` and merges the keys where they landed,
+``[(e & 1) * world + q]`` of its own buffer. So the epoch is still a device
+value (a captured graph of the two kernels moves on each replay), the bump
+launch is gone (the pack publishes the epoch it used), and so are the push
+launches and the copy-out.
+
+Why every pack block reads the old epoch: thread 0 of each block reads
+``ctrl[EPOCH]`` before its block adds itself to :data:`COUNTER`, and only the
+block that finds every other block counted writes it. Why the halves still
+suffice, now that a merge reads half ``e & 1`` for its whole run rather than
+during a copy-out: a peer writes that half again only in its pack of call
+``e + 2``, which it starts after its merge of call ``e + 1`` finished (stream
+order); that merge needed this rank's flag of call ``e + 1``, raised by this
+rank's pack of call ``e + 1``, which started after this rank's merge of call
+``e`` finished. So a rank is still at most one call ahead, with the merge in
+the place of the copy-out. The flags mean the same in both forms ("rank q has
+delivered call e here"), and both forms address a payload the same way
+(:func:`slot_base`, the send layout), so fused and separate calls may follow
+each other on one transport. The failure path is the same too: a merge that
+gives up records it in ``ctrl`` and the error words, and the next pack
+poisons every peer before it writes a key.
+
+Scope: the pack takes every rank's buffer as a kernel argument, up to
+:data:`PEER_SLOTS` (one node's GPUs); larger worlds gather in separate steps.
+
 Memory ordering, per backend (the helpers live in :mod:`.primitives`, like every
 per-target primitive; nothing here differs between targets):
 ``cuda`` polls with ``ld.acquire.sys`` and signals with ``st.release.sys``
@@ -84,7 +118,8 @@ from .primitives import (clock_ns, ctrl_add, ctrl_cas, fence_system, flag_load, 
 __all__ = [
     "EPOCH", "COUNTER", "ERR_EPOCH", "ERR_PEER", "CTRL_WORDS", "GROUP",
     "GAVE_UP_EPOCH", "GAVE_UP_PEER", "POISONED_BY", "ERROR_WORDS",
-    "slot_base",
+    "slot_base", "PEER_SLOTS", "delivery_base", "open_delivery", "deliver_key", "close_delivery",
+    "await_delivery",
     "ipc_bump_kernel", "ipc_push_kernel", "ipc_wait_copy_kernel",
 ]
 
@@ -102,6 +137,8 @@ POISONED_BY = 2  # 1 + a peer that gave up, as a wait on this rank saw it (0: no
 ERROR_WORDS = 4
 
 GROUP = 8  # peers one push launch serves (kernel arguments d0..d7, f0..f7)
+# Ranks a delivering pack kernel serves (kernel arguments peer0..peer7): one node's GPUs.
+PEER_SLOTS = 8
 
 # Parameters: 1-D C-contiguous views (what IPCEngine passes); payloads move in
 # WORDs, 8-byte words when the buffers allow and bytes otherwise.
@@ -265,3 +302,110 @@ def ipc_wait_copy_kernel(ctrl, flags, data, recv, errors, count, slot, world, ti
         q = i // count
         recv[i] = data[_slot_base(e, world, q, slot) + (i - q * count)]
         i += step
+
+
+# ---------------------------------------------------------------------------
+# The delivered exchange: the same protocol inside the pack and merge kernels.
+# Peers are addressed as whole exchange buffers of int64 words (flags at word
+# 0, the data halves from ``data_start``), so one array argument per rank.
+
+
+@cuda.jit(device=True, inline=True)
+def delivery_base(data_start, epoch, world, rank, slot, head, row, tokens, per_shard):
+    """Word index of ``rank``'s key 0 of ``(head, row)`` in any rank's exchange buffer:
+    the send layout ``[heads, tokens, per_shard]`` in the rank's slot of the half."""
+    return data_start + _slot_base(epoch, world, rank, slot) + (head * tokens + row) * per_shard
+
+
+@cuda.jit(device=True, inline=True)
+def deliver_key(peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world, index, value):
+    """``peer<q>[index] = value`` for every rank ``q < world``: one key into every
+    rank's buffer (plain stores; :func:`close_delivery` publishes them)."""
+    peer0[index] = value
+    if world > 1:
+        peer1[index] = value
+    if world > 2:
+        peer2[index] = value
+    if world > 3:
+        peer3[index] = value
+    if world > 4:
+        peer4[index] = value
+    if world > 5:
+        peer5[index] = value
+    if world > 6:
+        peer6[index] = value
+    if world > 7:
+        peer7[index] = value
+
+
+@cuda.jit(device=True)
+def _signal_each_peer(peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world, index,
+                      value):
+    """``flag_store(peer<q>, index, value)`` (release, system scope) for every rank ``q``."""
+    flag_store(peer0, index, value)
+    if world > 1:
+        flag_store(peer1, index, value)
+    if world > 2:
+        flag_store(peer2, index, value)
+    if world > 3:
+        flag_store(peer3, index, value)
+    if world > 4:
+        flag_store(peer4, index, value)
+    if world > 5:
+        flag_store(peer5, index, value)
+    if world > 6:
+        flag_store(peer6, index, value)
+    if world > 7:
+        flag_store(peer7, index, value)
+
+
+@cuda.jit(device=True)
+def open_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world, rank,
+                  epoch_box):
+    """This call's epoch, ``ctrl[EPOCH] + 1``, for every thread of the block.
+
+    Thread 0 reads it (into the shared ``epoch_box``) before its block counts
+    itself done in :func:`close_delivery`, so no block can read the epoch the
+    last block publishes. A rank that gave up waiting once poisons every peer
+    first, before any key of this call can overwrite a half a slow peer reads.
+    """
+    if cuda.threadIdx.x == 0:
+        if ctrl[ERR_EPOCH] != 0:
+            _signal_each_peer(peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world,
+                              world, int64(rank + 1))
+        epoch_box[0] = ctrl[EPOCH] + 1
+    cuda.syncthreads()
+    return epoch_box[0]
+
+
+@cuda.jit(device=True)
+def close_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world, rank,
+                   epoch):
+    """After a block's keys are delivered; the grid's last block publishes the call.
+
+    It stores the epoch into ``ctrl[EPOCH]`` (the merge that follows on the
+    stream reads it) and raises this rank's flag in every peer (release).
+    """
+    fence_system()  # this thread's key stores, visible system-wide ...
+    cuda.syncthreads()  # ... for the whole block ...
+    if cuda.threadIdx.x == 0:
+        blocks = cuda.gridDim.x * cuda.gridDim.y
+        if ctrl_add(ctrl, COUNTER, int64(1)) == blocks - 1:
+            # ... and, in the last block to finish, for the whole grid: signal.
+            ctrl[COUNTER] = 0
+            ctrl[EPOCH] = epoch
+            fence_system()
+            _signal_each_peer(peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world,
+                              rank, epoch)
+
+
+@cuda.jit(device=True)
+def await_delivery(ctrl, flags, errors, world, timeout_ns):
+    """Wait until every rank delivered this call (thread 0 polls, bounded); returns
+    ``first``, the index of rank 0's slot of this call's half in ``[2 * world]``."""
+    epoch = ctrl[EPOCH]
+    if cuda.threadIdx.x == 0:
+        _wait_all(ctrl, flags, errors, world, epoch, timeout_ns)
+        fence_system()  # acquire for the whole block (with the barrier below)
+    cuda.syncthreads()
+    return (epoch & 1) * world

@@ -27,12 +27,16 @@ from numba import int32, int64
 
 from ..backend import cuda
 from ..constants import KEY_VALID_BIT
+from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
 from .params import declare
 from .primitives import WARP_LANES, shared_atomic_add
-from .rows import (MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, gathered_candidate_key,
-                   gathered_row, merged_block, shard_candidate_key, shard_row, table_writer)
+from .rows import (MERGE_DELIVERED_PARAMS, MERGE_DELIVERED_TABLE_PARAMS, MERGE_PARAMS,
+                   MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
+                   gathered_candidate_key, gathered_row, merged_block, shard_candidate_key,
+                   shard_row, table_writer)
 
 __all__ = ["make_block_topk", "pack_kernel", "merge_kernel", "merge_table_kernel",
+           "pack_to_peers_kernel", "merge_delivered_kernel", "merge_delivered_table_kernel",
            "TABLE_THREADS"]
 
 RADIX_BITS = 8
@@ -214,16 +218,47 @@ def pack_kernel(capacity):
 
 
 @lru_cache(maxsize=None)
+def pack_to_peers_kernel(capacity):
+    """The fused IPC exchange's pack (protocol: kernels/ipc.py)."""
+    block_topk = make_block_topk(shard_candidate_key, capacity)
+
+    @cuda.jit
+    @declare(*PACK_TO_PEERS_PARAMS)
+    def shard_topk_keys_to_peers(scores, seq_lens, ctrl, peer0, peer1, peer2, peer3, peer4,
+                                 peer5, peer6, peer7, topk, rank, world, query_len,
+                                 global_blocks, init_blocks, local_blocks, data_start, slot):
+        epoch_box = cuda.shared.array(1, int64)
+        epoch = open_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7,
+                              world, rank, epoch_box)
+        sel = cuda.shared.array(capacity, int64)
+        hist = cuda.shared.array(SCRATCH, int32)
+        state = cuda.shared.array(STATE_SLOTS, int64)
+        head, row, count, ctx = shard_row(scores, seq_lens, rank, world, query_len,
+                                          global_blocks, init_blocks, local_blocks)
+        block_topk(scores, ctx, count, topk, sel, hist, state)
+        base = delivery_base(data_start, epoch, world, rank, slot, head, row, scores.shape[1],
+                             topk)
+        for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
+            deliver_key(peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world, base + j,
+                        sel[j])
+        close_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world, rank,
+                       epoch)
+
+    return shard_topk_keys_to_peers
+
+
+@lru_cache(maxsize=None)
 def _merge_select(capacity):
     block_topk = make_block_topk(gathered_candidate_key, capacity)
 
     @cuda.jit(device=True)
-    def merge_select(keys, topk_idx, seq_lens, query_len, init_blocks, local_blocks, sel, hist,
-                     state):
-        """Merge this block's (head, row); leaves its block ids (or -1) in ``sel[0:topk]``."""
+    def merge_select(keys, first, world, topk_idx, seq_lens, query_len, init_blocks,
+                     local_blocks, sel, hist, state):
+        """Merge this block's (head, row) from ``keys[first:first + world]``; leaves
+        its block ids (or -1) in ``sel[0:topk]``."""
         topk = topk_idx.shape[2]
         head, row, request, causal_len, valid_blocks, count, ctx = gathered_row(
-            keys, seq_lens, query_len, init_blocks, local_blocks)
+            keys, first, world, seq_lens, query_len, init_blocks, local_blocks)
         block_topk(keys, ctx, count, topk, sel, hist, state)
         kept = min(topk, valid_blocks)
         for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
@@ -237,38 +272,18 @@ def _merge_select(capacity):
 
 
 @lru_cache(maxsize=None)
-def merge_kernel(capacity):
-    merge_select = _merge_select(capacity)
-
-    @cuda.jit
-    @declare(*MERGE_PARAMS)
-    def merge_topk_ids(keys, topk_idx, seq_lens, query_len, init_blocks, local_blocks):
-        sel = cuda.shared.array(capacity, int64)
-        hist = cuda.shared.array(SCRATCH, int32)
-        state = cuda.shared.array(STATE_SLOTS, int64)
-        merge_select(keys, topk_idx, seq_lens, query_len, init_blocks, local_blocks, sel, hist,
-                     state)
-
-    return merge_topk_ids
-
-
-@lru_cache(maxsize=None)
-def merge_table_kernel(capacity):
+def _merge_with_table(capacity):
     merge_select = _merge_select(capacity)
     slots = max(1, capacity // WARP_LANES)  # sel[0:capacity] spread over one warp's lanes
     write_table = table_writer(slots)
 
-    @cuda.jit
-    @declare(*MERGE_TABLE_PARAMS)
-    def merge_topk_ids_and_table(keys, topk_idx, seq_lens, block_table, sparse_table,
-                                 context_lens, query_len, init_blocks, local_blocks,
-                                 page_stride):
-        sel = cuda.shared.array(capacity, int64)
-        hist = cuda.shared.array(SCRATCH, int32)
-        state = cuda.shared.array(STATE_SLOTS, int64)
-        head, row, request, causal_len = merge_select(keys, topk_idx, seq_lens, query_len,
-                                                      init_blocks, local_blocks, sel, hist,
-                                                      state)
+    @cuda.jit(device=True)
+    def merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
+                         context_lens, query_len, init_blocks, local_blocks, page_stride, sel,
+                         hist, state):
+        head, row, request, causal_len = merge_select(keys, first, world, topk_idx, seq_lens,
+                                                      query_len, init_blocks, local_blocks, sel,
+                                                      hist, state)
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             topk = topk_idx.shape[2]
@@ -279,4 +294,79 @@ def merge_table_kernel(capacity):
             write_table(blocks, topk, causal_len, request, head, row, block_table,
                         page_stride, sparse_table, context_lens, lane)
 
+    return merge_with_table
+
+
+@lru_cache(maxsize=None)
+def merge_kernel(capacity):
+    merge_select = _merge_select(capacity)
+
+    @cuda.jit
+    @declare(*MERGE_PARAMS)
+    def merge_topk_ids(keys, topk_idx, seq_lens, query_len, init_blocks, local_blocks):
+        sel = cuda.shared.array(capacity, int64)
+        hist = cuda.shared.array(SCRATCH, int32)
+        state = cuda.shared.array(STATE_SLOTS, int64)
+        merge_select(keys, 0, keys.shape[0], topk_idx, seq_lens, query_len, init_blocks,
+                     local_blocks, sel, hist, state)
+
+    return merge_topk_ids
+
+
+@lru_cache(maxsize=None)
+def merge_table_kernel(capacity):
+    merge_with_table = _merge_with_table(capacity)
+
+    @cuda.jit
+    @declare(*MERGE_TABLE_PARAMS)
+    def merge_topk_ids_and_table(keys, topk_idx, seq_lens, block_table, sparse_table,
+                                 context_lens, query_len, init_blocks, local_blocks,
+                                 page_stride):
+        sel = cuda.shared.array(capacity, int64)
+        hist = cuda.shared.array(SCRATCH, int32)
+        state = cuda.shared.array(STATE_SLOTS, int64)
+        merge_with_table(keys, 0, keys.shape[0], topk_idx, seq_lens, block_table, sparse_table,
+                         context_lens, query_len, init_blocks, local_blocks, page_stride, sel,
+                         hist, state)
+
     return merge_topk_ids_and_table
+
+
+@lru_cache(maxsize=None)
+def merge_delivered_kernel(capacity):
+    merge_select = _merge_select(capacity)
+
+    @cuda.jit
+    @declare(*MERGE_DELIVERED_PARAMS)
+    def merge_delivered_topk_ids(keys, topk_idx, seq_lens, ctrl, flags, errors, query_len,
+                                 init_blocks, local_blocks, timeout_ns):
+        world = keys.shape[0] >> 1
+        first = await_delivery(ctrl, flags, errors, world, timeout_ns)
+        sel = cuda.shared.array(capacity, int64)
+        hist = cuda.shared.array(SCRATCH, int32)
+        state = cuda.shared.array(STATE_SLOTS, int64)
+        merge_select(keys, first, world, topk_idx, seq_lens, query_len, init_blocks,
+                     local_blocks, sel, hist, state)
+
+    return merge_delivered_topk_ids
+
+
+@lru_cache(maxsize=None)
+def merge_delivered_table_kernel(capacity):
+    merge_with_table = _merge_with_table(capacity)
+
+    @cuda.jit
+    @declare(*MERGE_DELIVERED_TABLE_PARAMS)
+    def merge_delivered_topk_ids_and_table(keys, topk_idx, seq_lens, ctrl, flags, errors,
+                                           block_table, sparse_table, context_lens, query_len,
+                                           init_blocks, local_blocks, page_stride, timeout_ns):
+        world = keys.shape[0] >> 1
+        first = await_delivery(ctrl, flags, errors, world, timeout_ns)
+        sel = cuda.shared.array(capacity, int64)
+        hist = cuda.shared.array(SCRATCH, int32)
+        state = cuda.shared.array(STATE_SLOTS, int64)
+        merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
+                         context_lens, query_len, init_blocks, local_blocks, page_stride, sel,
+                         hist, state)
+
+    return merge_delivered_topk_ids_and_table

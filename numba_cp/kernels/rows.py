@@ -13,11 +13,13 @@ from numba import int64
 
 from ..backend import cuda
 from ..constants import PAGES, SPARSE_BLOCK
+from .ipc import PEER_SLOTS
 from .keys import causal_len_of, repin_key, score_key, valid_blocks_of
 from .params import INTEGER, Array, scalars
 from .primitives import WARP_LANES, inline_device, lane_value
 
-__all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS",
+__all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "PACK_TO_PEERS_PARAMS",
+           "MERGE_DELIVERED_PARAMS", "MERGE_DELIVERED_TABLE_PARAMS",
            "shard_candidate_key", "gathered_candidate_key", "shard_row", "gathered_row",
            "merged_block", "table_writer"]
 
@@ -34,9 +36,25 @@ MERGE_TABLE_PARAMS = (*MERGE_PARAMS[:3], Array("block_table", "int32", 2),
                       Array("sparse_table", "int32", 3), Array("context_lens", "int32", 2),
                       *MERGE_PARAMS[3:], *scalars("page_stride"))
 
+
+# The delivered exchange (kernels/ipc.py): the pack writes its keys into every
+# rank's exchange buffer (peer<q>: rank q's whole buffer as int64 words) and
+# the merge reads them there, as keys[2 * world, heads, tokens, per_shard]
+# over both halves, after waiting on its flags.
+_WORDS = Array("ctrl", "int64", 1, "C")
+PACK_TO_PEERS_PARAMS = (*PACK_PARAMS[:2], _WORDS,
+                        *(_WORDS._replace(name=f"peer{q}") for q in range(PEER_SLOTS)),
+                        *PACK_PARAMS[3:], *scalars("data_start", "slot"))
+_WAIT_ARRAYS = (_WORDS, _WORDS._replace(name="flags"), _WORDS._replace(name="errors"))
+MERGE_DELIVERED_PARAMS = (*MERGE_PARAMS[:3], *_WAIT_ARRAYS, *MERGE_PARAMS[3:],
+                          *scalars("timeout_ns"))
+MERGE_DELIVERED_TABLE_PARAMS = (*MERGE_PARAMS[:3], *_WAIT_ARRAYS, *MERGE_TABLE_PARAMS[3:],
+                                *scalars("timeout_ns"))
+
 # ctx tuples handed to the candidate readers
 # shard:    (head, row, rank, world, init_blocks, local_start)
-# gathered: (head, row, per_shard, log2(per_shard) or -1, init_blocks, local_start)
+# gathered: (head, row, per_shard, log2(per_shard) or -1, init_blocks, local_start, first)
+#           rank q's keys are keys[first + q]
 
 
 @cuda.jit(device=True, inline=True)
@@ -48,14 +66,14 @@ def shard_candidate_key(scores, ctx, column):
 
 @cuda.jit(device=True, inline=True)
 def gathered_candidate_key(keys, ctx, i):
-    head, row, per_shard, shift, init_blocks, local_start = ctx
+    head, row, per_shard, shift, init_blocks, local_start, first = ctx
     if shift >= 0:  # per_shard is a power of two (it usually is topk): no division
         rank = i >> shift
         column = i & (per_shard - 1)
     else:
         rank = i // per_shard
         column = i - rank * per_shard
-    key = keys[rank, head, row, column]
+    key = keys[first + rank, head, row, column]
     if key == 0:
         return int64(0)
     return repin_key(key, init_blocks, local_start)
@@ -101,15 +119,16 @@ def shard_row(scores, seq_lens, rank, world, query_len, global_blocks, init_bloc
 
 
 @cuda.jit(device=True, inline=True)
-def gathered_row(keys, seq_lens, query_len, init_blocks, local_blocks):
-    """This block's ``(head, row, request, causal_len, valid_blocks, candidates, ctx)``."""
+def gathered_row(keys, first, world, seq_lens, query_len, init_blocks, local_blocks):
+    """This block's ``(head, row, request, causal_len, valid_blocks, candidates, ctx)``;
+    the gathered keys are ``keys[first:first + world]``."""
     row = int64(cuda.blockIdx.x)
     head = int64(cuda.blockIdx.y)
     request, causal_len, valid_blocks, local_start = row_window(seq_lens, row, query_len,
                                                                 local_blocks)
     per_shard = int64(keys.shape[3])
-    ctx = (head, row, per_shard, per_shard_shift(per_shard), init_blocks, local_start)
-    return head, row, request, causal_len, valid_blocks, keys.shape[0] * per_shard, ctx
+    ctx = (head, row, per_shard, per_shard_shift(per_shard), init_blocks, local_start, first)
+    return head, row, request, causal_len, valid_blocks, world * per_shard, ctx
 
 
 @cuda.jit(device=True, inline=True)

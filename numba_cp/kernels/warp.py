@@ -43,12 +43,16 @@ from functools import lru_cache
 from numba import int64
 
 from ..backend import cuda
+from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
 from .params import declare
 from .primitives import WARP_LANES, inline_device, lane_exchange, lane_read, lane_value
-from .rows import (MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, gathered_candidate_key,
-                   gathered_row, merged_block, shard_candidate_key, shard_row, table_writer)
+from .rows import (MERGE_DELIVERED_PARAMS, MERGE_DELIVERED_TABLE_PARAMS, MERGE_PARAMS,
+                   MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
+                   gathered_candidate_key, gathered_row, merged_block, shard_candidate_key,
+                   shard_row, table_writer)
 
-__all__ = ["make_warp_topk", "pack_kernel", "merge_kernel", "merge_table_kernel"]
+__all__ = ["make_warp_topk", "pack_kernel", "merge_kernel", "merge_table_kernel",
+           "pack_to_peers_kernel", "merge_delivered_kernel", "merge_delivered_table_kernel"]
 
 LOG_LANES = WARP_LANES.bit_length() - 1
 
@@ -282,12 +286,30 @@ def make_warp_topk(candidate_key, run, slots, warps, presorted=False):
 # ---------------------------------------------------------------------------
 # Kernels: a block of ``warps`` whole warps per (head, row). The row's top keys
 # end in warp 0's registers (``acc``), element ``e = lane * slots + s``; warp 0
-# writes the outputs.
+# writes the outputs. The "delivered" kernels are the fused IPC exchange's
+# (protocol: kernels/ipc.py): the pack writes every rank's exchange buffer,
+# the merge waits for its peers and reads its own buffer.
+
+
+@lru_cache(maxsize=None)
+def _shard_select(run, slots, warps):
+    warp_topk = make_warp_topk(shard_candidate_key, run, slots, warps)
+
+    @inline_device
+    def shard_select(scores, seq_lens, rank, world, query_len, global_blocks, init_blocks,
+                     local_blocks, v, t, acc, shared):
+        """Select this block's (head, row); warp 0's ``acc`` holds the keys."""
+        head, row, count, ctx = shard_row(scores, seq_lens, rank, world, query_len,
+                                          global_blocks, init_blocks, local_blocks)
+        warp_topk(scores, ctx, count, v, t, acc, shared)
+        return head, row
+
+    return shard_select
 
 
 @lru_cache(maxsize=None)
 def pack_kernel(run, slots, warps):
-    warp_topk = make_warp_topk(shard_candidate_key, run, slots, warps)
+    shard_select = _shard_select(run, slots, warps)
     shared_size = warps * run
 
     @cuda.jit
@@ -298,9 +320,8 @@ def pack_kernel(run, slots, warps):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
-        head, row, count, ctx = shard_row(scores, seq_lens, rank, world, query_len,
-                                          global_blocks, init_blocks, local_blocks)
-        warp_topk(scores, ctx, count, v, t, acc, shared)
+        head, row = shard_select(scores, seq_lens, rank, world, query_len, global_blocks,
+                                 init_blocks, local_blocks, v, t, acc, shared)
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             for s in range(slots):
@@ -312,15 +333,51 @@ def pack_kernel(run, slots, warps):
 
 
 @lru_cache(maxsize=None)
+def pack_to_peers_kernel(run, slots, warps):
+    shard_select = _shard_select(run, slots, warps)
+    shared_size = warps * run
+
+    @cuda.jit
+    @declare(*PACK_TO_PEERS_PARAMS)
+    def shard_topk_keys_to_peers_warp(scores, seq_lens, ctrl, peer0, peer1, peer2, peer3,
+                                      peer4, peer5, peer6, peer7, topk, rank, world, query_len,
+                                      global_blocks, init_blocks, local_blocks, data_start,
+                                      slot):
+        epoch_box = cuda.shared.array(1, int64)
+        epoch = open_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7,
+                              world, rank, epoch_box)
+        v = cuda.local.array(slots, int64)
+        t = cuda.local.array(slots, int64)
+        acc = cuda.local.array(slots, int64)
+        shared = cuda.shared.array(shared_size, int64)
+        head, row = shard_select(scores, seq_lens, rank, world, query_len, global_blocks,
+                                 init_blocks, local_blocks, v, t, acc, shared)
+        lane = cuda.threadIdx.x
+        if lane < WARP_LANES:
+            base = delivery_base(data_start, epoch, world, rank, slot, head, row,
+                                 scores.shape[1], topk)
+            for s in range(slots):
+                e = lane * slots + s
+                if e < topk:
+                    deliver_key(peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world,
+                                base + e, acc[s])
+        close_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world, rank,
+                       epoch)
+
+    return shard_topk_keys_to_peers_warp
+
+
+@lru_cache(maxsize=None)
 def _merge_select(run, slots, warps):
     warp_topk = make_warp_topk(gathered_candidate_key, run, slots, warps, presorted=True)
 
     @inline_device
-    def merge_select(keys, topk_idx, seq_lens, query_len, init_blocks, local_blocks, v, t,
-                     acc, shared):
-        """Merge this block's (head, row); warp 0 writes topk_idx and keeps the ids in ``acc``."""
+    def merge_select(keys, first, world, topk_idx, seq_lens, query_len, init_blocks,
+                     local_blocks, v, t, acc, shared):
+        """Merge this block's (head, row) from ``keys[first:first + world]``; warp 0
+        writes topk_idx and keeps the ids (or -1) in ``acc``."""
         head, row, request, causal_len, valid_blocks, count, ctx = gathered_row(
-            keys, seq_lens, query_len, init_blocks, local_blocks)
+            keys, first, world, seq_lens, query_len, init_blocks, local_blocks)
         warp_topk(keys, ctx, count, v, t, acc, shared)
         topk = topk_idx.shape[2]
         kept = min(topk, valid_blocks)
@@ -338,6 +395,26 @@ def _merge_select(run, slots, warps):
 
 
 @lru_cache(maxsize=None)
+def _merge_with_table(run, slots, warps):
+    merge_select = _merge_select(run, slots, warps)
+    write_table = table_writer(slots)
+
+    @inline_device
+    def merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
+                         context_lens, query_len, init_blocks, local_blocks, page_stride, v, t,
+                         acc, shared):
+        head, row, request, causal_len = merge_select(
+            keys, first, world, topk_idx, seq_lens, query_len, init_blocks, local_blocks, v, t,
+            acc, shared)
+        lane = cuda.threadIdx.x
+        if lane < WARP_LANES:
+            write_table(acc, topk_idx.shape[2], causal_len, request, head, row, block_table,
+                        page_stride, sparse_table, context_lens, lane)
+
+    return merge_with_table
+
+
+@lru_cache(maxsize=None)
 def merge_kernel(run, slots, warps):
     merge_select = _merge_select(run, slots, warps)
     shared_size = warps * run
@@ -349,16 +426,15 @@ def merge_kernel(run, slots, warps):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
-        merge_select(keys, topk_idx, seq_lens, query_len, init_blocks, local_blocks, v, t, acc,
-                     shared)
+        merge_select(keys, 0, keys.shape[0], topk_idx, seq_lens, query_len, init_blocks,
+                     local_blocks, v, t, acc, shared)
 
     return merge_topk_ids_warp
 
 
 @lru_cache(maxsize=None)
 def merge_table_kernel(run, slots, warps):
-    merge_select = _merge_select(run, slots, warps)
-    write_table = table_writer(slots)
+    merge_with_table = _merge_with_table(run, slots, warps)
     shared_size = warps * run
 
     @cuda.jit
@@ -370,12 +446,53 @@ def merge_table_kernel(run, slots, warps):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
-        head, row, request, causal_len = merge_select(keys, topk_idx, seq_lens, query_len,
-                                                      init_blocks, local_blocks, v, t, acc,
-                                                      shared)
-        lane = cuda.threadIdx.x
-        if lane < WARP_LANES:
-            write_table(acc, topk_idx.shape[2], causal_len, request, head, row, block_table,
-                        page_stride, sparse_table, context_lens, lane)
+        merge_with_table(keys, 0, keys.shape[0], topk_idx, seq_lens, block_table, sparse_table,
+                         context_lens, query_len, init_blocks, local_blocks, page_stride, v, t,
+                         acc, shared)
 
     return merge_topk_ids_and_table_warp
+
+
+@lru_cache(maxsize=None)
+def merge_delivered_kernel(run, slots, warps):
+    merge_select = _merge_select(run, slots, warps)
+    shared_size = warps * run
+
+    @cuda.jit
+    @declare(*MERGE_DELIVERED_PARAMS)
+    def merge_delivered_topk_ids_warp(keys, topk_idx, seq_lens, ctrl, flags, errors,
+                                      query_len, init_blocks, local_blocks, timeout_ns):
+        world = keys.shape[0] >> 1
+        first = await_delivery(ctrl, flags, errors, world, timeout_ns)
+        v = cuda.local.array(slots, int64)
+        t = cuda.local.array(slots, int64)
+        acc = cuda.local.array(slots, int64)
+        shared = cuda.shared.array(shared_size, int64)
+        merge_select(keys, first, world, topk_idx, seq_lens, query_len, init_blocks,
+                     local_blocks, v, t, acc, shared)
+
+    return merge_delivered_topk_ids_warp
+
+
+@lru_cache(maxsize=None)
+def merge_delivered_table_kernel(run, slots, warps):
+    merge_with_table = _merge_with_table(run, slots, warps)
+    shared_size = warps * run
+
+    @cuda.jit
+    @declare(*MERGE_DELIVERED_TABLE_PARAMS)
+    def merge_delivered_topk_ids_and_table_warp(keys, topk_idx, seq_lens, ctrl, flags, errors,
+                                                block_table, sparse_table, context_lens,
+                                                query_len, init_blocks, local_blocks,
+                                                page_stride, timeout_ns):
+        world = keys.shape[0] >> 1
+        first = await_delivery(ctrl, flags, errors, world, timeout_ns)
+        v = cuda.local.array(slots, int64)
+        t = cuda.local.array(slots, int64)
+        acc = cuda.local.array(slots, int64)
+        shared = cuda.shared.array(shared_size, int64)
+        merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
+                         context_lens, query_len, init_blocks, local_blocks, page_stride, v, t,
+                         acc, shared)
+
+    return merge_delivered_topk_ids_and_table_warp

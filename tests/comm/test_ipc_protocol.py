@@ -21,6 +21,8 @@ import time
 import numpy as np
 import pytest
 
+from numba_cp import ops
+from numba_cp import reference as ref
 from numba_cp.backend import TARGET, cuda
 from numba_cp.comm import ipc as I
 from numba_cp.kernels import ipc as K
@@ -33,33 +35,47 @@ sim_only = pytest.mark.skipif(not TARGET.simulator,
 # The protocol as a model
 
 
-def run_model(world, calls, rng, *, double_buffer=True, wait_ge=True):
+ROWS = 3  # a payload's rows: they land and are read one by one
+
+
+def run_model(world, calls, rng, *, double_buffer=True, wait_ge=True, fused=False):
     """One random interleaving of ``world`` ranks making ``calls`` all-gathers.
 
     Per call a rank writes its payload into every peer's slot (one step per
     peer), then stores its flag in every peer (one step each), waits until
     its own flags reach the epoch, then reads every slot (one step each), as
-    the kernels do. Returns ``(corrupt reads, deadlocked, largest lead)``.
+    the kernels do. ``fused``: each call is, at random per rank, the fused
+    exchange's order instead -- the pack's blocks deliver row by row into
+    every peer in any order, the last one raises the flags, and the merge
+    reads every row of every slot in place, to its end -- or the separate
+    one. Returns ``(corrupt reads, deadlocked, largest lead)``.
     """
     slot = ((lambda e, q: K.slot_base(e, world, q, 1)) if double_buffer else
             (lambda e, q: q))
-    data = [dict() for _ in range(world)]  # owner -> slot -> (writer, epoch)
+    data = [dict() for _ in range(world)]  # owner -> (slot, row) -> (writer, epoch)
     flags = [[0] * world for _ in range(world)]  # owner -> writer -> epoch
     started = [0] * world
 
     def program(r):
         for e in range(1, calls + 1):
             started[r] = e
-            for q in rng.sample(range(world), world):
-                data[q][slot(e, r)] = (r, e)
+            if fused and rng.random() < 0.5:  # the pack's blocks, in any order
+                writes = rng.sample([(q, row) for q in range(world) for row in range(ROWS)],
+                                    world * ROWS)
+            else:  # the push: peer by peer
+                writes = [(q, row) for q in rng.sample(range(world), world)
+                          for row in range(ROWS)]
+            for q, row in writes:
+                data[q][slot(e, r), row] = (r, e)
                 yield None
             for q in rng.sample(range(world), world):
                 flags[q][r] = max(flags[q][r], e)
                 yield None
             while not all((f >= e) if wait_ge else (f == e) for f in flags[r]):
                 yield "blocked"
-            for q in rng.sample(range(world), world):
-                got = data[r].get(slot(e, q))
+            reads = [(q, row) for q in range(world) for row in range(ROWS)]
+            for q, row in rng.sample(reads, len(reads)):
+                got = data[r].get((slot(e, q), row))
                 yield ("read", got == (q, e))
 
     running = {r: program(r) for r in range(world)}
@@ -91,6 +107,22 @@ def test_model_double_buffered_is_exact_and_never_deadlocks(world):
         corrupt, deadlocked, lead = run_model(world, 6, random.Random(seed))
         assert (corrupt, deadlocked) == (0, False), f"seed {seed}"
         assert lead <= 1, f"seed {seed}: a rank got {lead} calls ahead"
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_model_fused_and_separate_calls_are_exact_and_never_deadlock(world):
+    """Fused calls (row-wise delivery, reads in place to the merge's end) mixed at random
+    with separate ones on one set of buffers and flags."""
+    for seed in range(200 if world < 4 else 80):
+        corrupt, deadlocked, lead = run_model(world, 6, random.Random(seed), fused=True)
+        assert (corrupt, deadlocked) == (0, False), f"seed {seed}"
+        assert lead <= 1, f"seed {seed}: a rank got {lead} calls ahead"
+
+
+def test_model_sees_the_fused_race_without_double_buffering():
+    bad = sum(run_model(2, 6, random.Random(seed), double_buffer=False, fused=True)[0] > 0
+              for seed in range(200))
+    assert bad > 0
 
 
 def test_model_sees_the_race_without_double_buffering():
@@ -335,3 +367,133 @@ def test_kernels_payloads_smaller_than_the_layout(ranks, world, seed):
     assert [R.unit(e) for e in shapes] == [8, 1, 1, 8, 8]
     run_random_schedule(R, world, len(shapes), random.Random(seed))
     assert [engine.state()["epoch"] for engine in R.engines] == [len(shapes)] * world
+
+
+# ---------------------------------------------------------------------------
+# The fused exchange's kernels, several simulated ranks in one process
+
+
+class ExchangeRanks:
+    """``world`` ranks exchanging shard keys on shared IPC buffers, each call fused
+    (the pack delivers, the merge reads in place) or separate (pack, bump, push,
+    wait_copy, merge), chosen per rank and call; checked against the oracle."""
+
+    HEADS, TOKENS, TOPK, BLOCKS = 2, 4, 5, 23
+    WINDOW = dict(topk=TOPK, query_len=1, global_blocks=BLOCKS, init_blocks=1, local_blocks=1)
+
+    def __init__(self, world, timeout=30.0):
+        self.world = world
+        self.shape = (self.HEADS, self.TOKENS, self.TOPK)
+        self.layout = I.IPCLayout(world, int(np.prod(self.shape)) * 8)
+        self.memory = I.HostIPCMemory()
+        self.regions = [self.memory.allocate(self.layout.total_bytes) for _ in range(world)]
+        self.engines = [I.IPCEngine(r, world, self.layout, self.regions,
+                                    self.memory.private_zeros(K.CTRL_WORDS, np.int64),
+                                    self.memory.mapped_zeros(K.ERROR_WORDS, np.int64),
+                                    timeout=timeout) for r in range(world)]
+        self.send = [np.zeros(self.shape, np.int64) for _ in range(world)]
+        self.recv = [np.zeros((world,) + self.shape, np.int64) for _ in range(world)]
+        self.idx = [np.zeros((self.HEADS, self.TOKENS, self.TOPK), np.int32)
+                    for _ in range(world)]
+
+    def workload(self, e):
+        rng = np.random.default_rng(e)
+        scores = rng.standard_normal((self.HEADS, self.TOKENS, self.BLOCKS)).astype(np.float32)
+        scores[:, :, rng.integers(0, self.BLOCKS, 3)] = 0.25  # ties across shards
+        seq_lens = rng.integers(1, (self.BLOCKS + 2) * 128, self.TOKENS).astype(np.int32)
+        return scores, seq_lens
+
+    def pack(self, r, e, fused):
+        scores, seq_lens = self.workload(e)
+        shard = ref.shard_scores(scores, rank=r, world=self.world, global_blocks=self.BLOCKS)
+        window = dict(self.WINDOW, rank=r, world=self.world)
+        if fused:
+            d = self.engines[r].delivery()
+            ops.local_topk_keys_to_peers(shard, seq_lens, ctrl=d.ctrl, peers=d.peers,
+                                         data_start=d.data_start, slot=d.slot, **window)
+            return
+        ops.local_topk_keys(shard, seq_lens, out=self.send[r], **window)
+        engine, nbytes = self.engines[r], self.send[r].nbytes
+        engine.bump(0)
+        engine.push(engine.flat(self.send[r], self.send[r].ctypes.data, nbytes, 8), nbytes, 8, 0)
+
+    def ready(self, r, e):
+        return all(int(f) >= e for f in np.asarray(self.engines[r].own_flags)[:self.world])
+
+    def merge(self, r, e, fused):
+        _, seq_lens = self.workload(e)
+        window = {k: v for k, v in self.WINDOW.items() if k not in ("topk", "global_blocks")}
+        if fused:
+            d = self.engines[r].delivery()
+            ops.merge_delivered_keys(d.keys_view(self.shape), self.idx[r], seq_lens,
+                                     ctrl=d.ctrl, flags=d.flags, errors=d.errors,
+                                     timeout_ns=d.timeout_ns, **window)
+        else:
+            engine, nbytes = self.engines[r], self.send[r].nbytes
+            engine.wait_copy(engine.flat(self.recv[r], self.recv[r].ctypes.data,
+                                         self.world * nbytes, 8), nbytes, 8, 0)
+            ops.merge_topk_keys(self.recv[r], self.idx[r], seq_lens, **window)
+        return self.idx[r].copy()
+
+    def expected(self, e):
+        scores, seq_lens = self.workload(e)
+        return ref.global_topk(scores, seq_lens, **self.WINDOW)
+
+    def close(self):
+        for region in self.regions:
+            self.memory.release(region)
+
+
+@sim_only
+@pytest.mark.parametrize("world, seed", [(2, 0), (3, 1), (4, 2)])
+def test_fused_and_separate_calls_interleave_exactly(world, seed):
+    """Kernel-granularity interleavings of fused and separate calls, a rank up to a call
+    ahead: every merge equals the oracle, and the epochs end equal."""
+    rng = random.Random(seed)
+    R = ExchangeRanks(world)
+    calls = 5
+    try:
+        step, call = [0] * world, [1] * world
+        fused = [[rng.random() < 0.6 for _ in range(calls + 1)] for _ in range(world)]
+        while any(c <= calls for c in call):
+            runnable = [r for r in range(world) if call[r] <= calls
+                        and (step[r] == 0 or R.ready(r, call[r]))]
+            assert runnable, f"stuck at calls {call}, steps {step}"
+            r = rng.choice(runnable)
+            e = call[r]
+            if step[r] == 0:
+                R.pack(r, e, fused[r][e])
+            else:
+                assert np.array_equal(R.merge(r, e, fused[r][e]), R.expected(e)), (r, e)
+                call[r] += 1
+            step[r] ^= 1
+            assert max(call) - min(call) <= 2
+        assert any(any(f[1:]) for f in fused) and not all(all(f[1:]) for f in fused)
+        for engine in R.engines:
+            state = engine.state()
+            assert state["epoch"] == calls and state["error_epoch"] == 0
+    finally:
+        R.close()
+
+
+@sim_only
+def test_fused_merge_gives_up_then_the_next_pack_poisons():
+    R = ExchangeRanks(3, timeout=0.2)
+    try:
+        R.pack(0, 1, fused=True)
+        t0 = time.perf_counter()
+        R.merge(0, 1, fused=True)  # nobody else came: gives up instead of hanging
+        assert 0.2 <= time.perf_counter() - t0 < 10
+        errors = np.asarray(R.engines[0].errors)
+        assert (errors[K.GAVE_UP_EPOCH], errors[K.GAVE_UP_PEER]) == (1, 2)
+        R.pack(0, 2, fused=True)  # poisons every peer before its keys
+        for r in (1, 2):
+            assert R.engines[r].state()["poisoned_by"] == 0
+        R.engines[1].timeout_ns = 10**15  # a poisoned merge stops waiting, whatever the limit
+        R.pack(1, 1, fused=True)
+        t0 = time.perf_counter()
+        R.merge(1, 1, fused=True)
+        assert time.perf_counter() - t0 < 10
+        assert np.asarray(R.engines[1].errors)[K.POISONED_BY] == 1  # 1 + rank 0
+    finally:
+        R.close()

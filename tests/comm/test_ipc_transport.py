@@ -143,3 +143,31 @@ def test_layout_sizes_every_slot_for_the_largest_payload():
     finally:
         t.teardown()
     assert t.layout is None
+
+
+def test_uncached_hip_memory_is_whole_pages_and_errors_name_the_call(monkeypatch):
+    """The one ctypes call into the HIP runtime, against a stand-in library."""
+    import ctypes
+
+    from numba_cp.comm import _hip
+
+    calls = []
+
+    class FakeHip:
+        def hipExtMallocWithFlags(self, pointer, size, flags):
+            calls.append((size, flags))
+            if size > 8192:
+                return 2  # hipErrorOutOfMemory
+            ctypes.cast(pointer, ctypes.POINTER(ctypes.c_void_p))[0] = 0x7000
+            return 0
+
+        def hipGetErrorString(self, status):
+            return b"out of memory"
+
+    monkeypatch.setattr(_hip, "_library", lambda: FakeHip())
+    assert _hip.malloc_uncached(1000) == 0x7000
+    assert calls == [(4096, 0x3)]  # a whole page, hipDeviceMallocUncached
+    assert _hip.malloc_uncached(4097) == 0x7000 and calls[-1] == (8192, 0x3)
+    with pytest.raises(RuntimeError, match=r"hipExtMallocWithFlags\(12288, hipDeviceMalloc"
+                                           r"Uncached\) failed: out of memory \(2\)"):
+        _hip.malloc_uncached(9000)

@@ -39,10 +39,11 @@ Checks:
     and ``check()`` must say so; its next call poisons the peers, whose
     ``check()`` must report rank 0.
 ``exchange graph``
-    ``CandidateExchange(transport="ipc")`` on a decode workload: an eager
-    call, an eager call with fewer tokens through the same transport, and a
-    captured pack -> gather -> merge graph replayed with the scores switched
-    in place between two workloads all equal the unsharded oracle.
+    ``CandidateExchange(transport="ipc")`` on a decode workload, fused (two
+    kernels) and as separate steps: an eager call, an eager call with fewer
+    tokens through the same transport, and a captured exchange replayed back
+    to back with the scores switched in place between two workloads (every
+    result copied aside on the stream) all equal the unsharded oracle.
 ``nccl self``
     (CuPy with NCCL only) ``NCCLAllGather`` on one-rank communicators (one per
     process, so ranks sharing a GPU are fine): setup, eager, capture, replays.
@@ -343,7 +344,7 @@ def check_timeout(comm, args):
 
 
 def check_exchange(comm, args):
-    from numba_cp.exchange import CandidateExchange, ExchangeConfig
+    from numba_cp.exchange import ExchangeConfig
     from numba_cp.workload import decode_workload
 
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -363,16 +364,32 @@ def check_exchange(comm, args):
     scores = DEV.put(DEV.get(shards[0]))
     seq_lens = DEV.put(seq_host)
     stream = DEV.stream()
-    problems = []
-    with CandidateExchange(comm, config, transport="ipc") as plan:
+    problems, details = [], []
+    for fused in (True, False):
+        elapsed, replays = _exchange_round(comm, config, fused, scores, seq_lens, shards,
+                                           oracle, fewer, window, stream, args, problems)
+        details.append(f"{'fused' if fused else 'separate'} ~{elapsed:.0f} us/replay")
+    detail = (f"heads={args.heads} batch={args.batch} context={args.context} topk={args.topk}: "
+              f"eager ({works[0].tokens} and {fewer.tokens} tokens) + {replays} replays exact, "
+              + ", ".join(details))
+    return not problems, "; ".join(problems) or detail
+
+
+def _exchange_round(comm, config, fused, scores, seq_lens, shards, oracle, fewer, window,
+                    stream, args, problems):
+    from numba_cp.exchange import CandidateExchange
+
+    rank, world = comm.Get_rank(), comm.Get_size()
+    label = "fused" if fused else "separate"
+    with CandidateExchange(comm, config, transport="ipc", fused=fused) as plan:
         transport = plan.transport
-        if transport.name != "ipc" or not plan.gather_is_capturable:
-            problems.append(f"plan uses {plan.describe()}")
+        if transport.name != "ipc" or not plan.gather_is_capturable or plan.fused != fused:
+            problems.append(f"plan uses {plan.describe()}, asked fused={fused}")
         DEV.sync(None)  # the uploads ran on the current stream; the plan runs on `stream`
         result = plan(scores, seq_lens, stream=stream)
         DEV.sync(stream)  # and the read-back is not ordered after `stream` either
         if not np.array_equal(DEV.get(result), oracle[0]):
-            problems.append("eager exchange differs from the oracle")
+            problems.append(f"{label}: eager exchange differs from the oracle")
         few_scores = DEV.put(ref.shard_scores(fewer.full_scores, rank=rank, world=world,
                                               global_blocks=fewer.global_blocks))
         few_seq = DEV.put(fewer.seq_lens)
@@ -380,10 +397,11 @@ def check_exchange(comm, args):
         result = plan(few_scores, few_seq, stream=stream)
         DEV.sync(stream)
         if plan.transport is not transport:
-            problems.append("the plan changed its transport for fewer tokens")
+            problems.append(f"{label}: the plan changed its transport for fewer tokens")
         if not np.array_equal(DEV.get(result),
                               ref.global_topk(fewer.full_scores, fewer.seq_lens, **window)):
-            problems.append(f"eager exchange of {fewer.tokens} tokens differs from the oracle")
+            problems.append(f"{label}: eager exchange of {fewer.tokens} tokens differs from "
+                            "the oracle")
         captured = plan.capture(scores, seq_lens, stream=stream)
         replays = max(4, args.replays // 50)
         history = DEV.put(np.zeros((replays,) + oracle[0].shape, np.int32))
@@ -397,15 +415,12 @@ def check_exchange(comm, args):
         got = DEV.get(history)
         wrong = [i for i in range(replays) if not np.array_equal(got[i], oracle[i % 2])]
         if wrong:
-            problems.append(f"replays {wrong[:8]} differ from the oracle")
+            problems.append(f"{label}: replays {wrong[:8]} differ from the oracle")
         try:
             plan.check()
         except IPCTimeoutError as exc:
-            problems.append(str(exc))
-    detail = (f"heads={args.heads} batch={args.batch} context={args.context} topk={args.topk}: "
-              f"eager ({works[0].tokens} and {fewer.tokens} tokens) + {replays} replays exact, "
-              f"~{elapsed:.0f} us/replay")
-    return not problems, "; ".join(problems) or detail
+            problems.append(f"{label}: {exc}")
+    return elapsed, replays
 
 
 def _nccl_round_trip(comm, args, label):

@@ -43,14 +43,18 @@ def run(args, comm):
     rank, world = comm.Get_rank(), comm.Get_size()
     config = ExchangeConfig(heads=args.heads, max_tokens=args.max_tokens, topk=args.topk,
                             world=world, global_blocks=args.global_blocks, init_blocks=1,
-                            local_blocks=1, query_len=args.query_len)
+                            local_blocks=1, query_len=args.query_len,
+                            sparse_table=args.sparse_table, merge=args.merge)
     window = dict(topk=config.topk, query_len=config.query_len,
                   global_blocks=config.global_blocks, init_blocks=config.init_blocks,
                   local_blocks=config.local_blocks)
     failures = 0
-    with CandidateExchange(comm, config, transport=args.transport) as plan:
+    fused = {"auto": None, "on": True, "off": False}[args.fused]
+    with CandidateExchange(comm, config, transport=args.transport, fused=fused,
+                           method=args.method) as plan:
         transport = plan.transport
-        expected_shape = (config.heads, config.max_tokens, config.shard_keys)
+        expected_shape = (None if world == 1 else  # one rank gathers nothing
+                          (config.heads, config.max_tokens, config.shard_keys))
         if transport.shape != expected_shape:
             failures += 1
             say(rank, f"FAIL transport set up for {transport.shape}, not {expected_shape}")
@@ -59,9 +63,23 @@ def run(args, comm):
                                         config.global_blocks)
             shard = ref.shard_scores(scores, rank=rank, world=world,
                                      global_blocks=config.global_blocks)
-            got = host_copy(plan(device_copy(shard), device_copy(seq_lens)))
             want = ref.global_topk(scores, seq_lens, **window)
-            label = f"transport={transport.name} tokens={tokens}"
+            if args.sparse_table:  # a page table with gaps: blocks map to scattered pages
+                table = np.random.default_rng(seed).permutation(
+                    len(seq_lens) * (config.global_blocks + 1)).astype(np.int32).reshape(
+                    len(seq_lens), config.global_blocks + 1)
+                got = plan(device_copy(shard), device_copy(seq_lens),
+                           attention_block_table=device_copy(table))
+                got = np.concatenate([host_copy(a).reshape(-1) for a in got])
+                sbt, ctx = ref.sparse_block_table(want, seq_lens, table,
+                                                  query_len=config.query_len)
+                want = np.concatenate([want[plan.heads.start:plan.heads.stop].reshape(-1),
+                                       sbt[plan.heads.start:plan.heads.stop].reshape(-1),
+                                       ctx[plan.heads.start:plan.heads.stop].reshape(-1)])
+            else:
+                got = host_copy(plan(device_copy(shard), device_copy(seq_lens)))
+                want = want[plan.heads.start:plan.heads.stop]
+            label = f"transport={transport.name} fused={plan.fused} tokens={tokens}"
             if plan.transport is not transport:
                 failures += 1
                 say(rank, f"FAIL {label}: the plan's transport changed")
@@ -79,6 +97,10 @@ def main():
     parser.add_argument("--size", type=int, required=True, help="the world size expected")
     parser.add_argument("--out-dir")
     parser.add_argument("--transport", default=None)
+    parser.add_argument("--fused", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--sparse-table", action="store_true")
+    parser.add_argument("--merge", choices=("all", "owned"), default="all")
+    parser.add_argument("--method", choices=("auto", "warp", "radix"), default="auto")
     parser.add_argument("--tokens", default="2,6,0,4,2", help="token counts, in call order")
     parser.add_argument("--max-tokens", type=int, default=6)
     parser.add_argument("--heads", type=int, default=2)
