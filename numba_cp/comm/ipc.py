@@ -452,8 +452,11 @@ class IPCEngine:
     def delivery(self) -> "Delivery":
         """What the delivering pack and the delivered merge take (see :class:`Delivery`)."""
         L = self.layout
+        errors = self.errors
+        if isinstance(errors, np.ndarray):  # mapped host memory: its device alias
+            errors = device_view(errors.device_ctypes_pointer.value, errors.size, errors.dtype)
         return Delivery(ctrl=self.ctrl, peers=tuple(self.words), data_start=L.flag_bytes // 8,
-                        slot=L.slot_bytes // 8, flags=self.own_flags, errors=self.errors,
+                        slot=L.slot_bytes // 8, flags=self.own_flags, errors=errors,
                         timeout_ns=self.timeout_ns, keys_view=self.delivered_keys)
 
     def delivered_keys(self, shape):
