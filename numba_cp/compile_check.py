@@ -87,9 +87,11 @@ def specialisations():
                 kernel = factory(*shape)
                 name = _numba.kernel_py_func(kernel).__name__
                 yield f"{name}[{label}]", kernel.py_func, signature(kernel, integer)
-    for kernel in (ipc.ipc_bump_kernel, ipc.ipc_push_kernel, ipc.ipc_wait_copy_kernel):
+    for kernel in (ipc.ipc_bump_kernel, ipc.ipc_push_kernel, ipc.ipc_wait_copy_kernel,
+                   ipc.ipc_wait_kernel):
         name = _numba.kernel_py_func(kernel).__name__.replace("_kernel", "")
-        words = (types.uint64, types.uint8) if kernel is not ipc.ipc_bump_kernel else (None,)
+        moves_words = kernel in (ipc.ipc_push_kernel, ipc.ipc_wait_copy_kernel)
+        words = (types.uint64, types.uint8) if moves_words else (None,)
         for word in words:
             label = f"{name}[unit={word}]" if word is not None else f"{name}[ctrl=int64]"
             yield label, kernel.py_func, signature(kernel, word=word)

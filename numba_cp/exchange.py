@@ -318,8 +318,11 @@ class CandidateExchange:
                                  slot=d.slot, stream=stream, **kwargs)
         args, kwargs = self._merge_arguments(seq_lens, tokens, attention_block_table,
                                              keys=self._views_for(tokens).delivered)
+        if not d.wait_in_merge:
+            d.wait(stream)
         merge_delivered_keys(*args, ctrl=d.ctrl, flags=d.flags, errors=d.errors,
-                             timeout_ns=d.timeout_ns, stream=stream, **kwargs)
+                             timeout_ns=d.timeout_ns, block_wait=d.wait_in_merge,
+                             stream=stream, **kwargs)
         return self._outputs(tokens)
 
     def __call__(self, scores, seq_lens, *, attention_block_table=None, stream=None):

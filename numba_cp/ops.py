@@ -8,6 +8,8 @@ argument signature (dtypes, shapes, strides, scalars); see :mod:`.launcher`.
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import validate
 from .arrays import as_kernel_array
 from .backend import TARGET
@@ -388,7 +390,8 @@ def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride,
 
 
 def merge_delivered_keys(keys, topk_idx, seq_lens, *, ctrl, flags, errors, timeout_ns,
-                         query_len, init_blocks, local_blocks, attention_block_table=None,
+                         query_len, init_blocks, local_blocks, block_wait=True,
+                         attention_block_table=None,
                          sparse_block_table_out=None, sparse_context_lens_out=None,
                          block_page_stride=None, stream=None, method="auto", threads=None,
                          sort_limit=None):
@@ -399,18 +402,20 @@ def merge_delivered_keys(keys, topk_idx, seq_lens, *, ctrl, flags, errors, timeo
     most ``timeout_ns`` of wall clock) until ``flags`` say that every rank
     delivered this call, and reads the half of this call's epoch (``ctrl``).
     A wait that gives up is recorded in ``ctrl`` and ``errors`` (protocol:
-    :mod:`numba_cp.kernels.ipc`). Other arguments as :func:`merge_topk_keys`.
+    :mod:`numba_cp.kernels.ipc`). ``block_wait=False``: no block waits, since
+    ``ipc_wait_kernel`` waited before it on the stream. Other arguments as
+    :func:`merge_topk_keys`.
     """
     arrays = (keys, topk_idx, seq_lens, ctrl, flags, errors, attention_block_table,
               sparse_block_table_out, sparse_context_lens_out)
     launch, pointers = _MERGE_LAUNCHES.launch_for(
-        arrays, (timeout_ns, query_len, init_blocks, local_blocks, block_page_stride, method,
-                 threads, sort_limit), _plan_merge_delivered)
+        arrays, (timeout_ns, block_wait, query_len, init_blocks, local_blocks, block_page_stride,
+                 method, threads, sort_limit), _plan_merge_delivered)
     launch(arrays, stream, pointers)
     return topk_idx
 
 
-def _plan_merge_delivered(arrays, timeout_ns, query_len, init_blocks, local_blocks,
+def _plan_merge_delivered(arrays, timeout_ns, block_wait, query_len, init_blocks, local_blocks,
                           block_page_stride, method, threads, sort_limit):
     keys_a = as_kernel_array(arrays[0], "keys")
     halves = keys_a.shape[0] if keys_a.ndim == 4 else 0
@@ -423,7 +428,10 @@ def _plan_merge_delivered(arrays, timeout_ns, query_len, init_blocks, local_bloc
                                     ipc_kernels.ERROR_WORDS)):
         _words(array, least)
     timeout_ns = validate.integer("timeout_ns", timeout_ns, low=1)
-    return _merge_launch_for(keys_a, world, arrays[1:3] + arrays[6:], waits, [timeout_ns],
+    if not isinstance(block_wait, (bool, np.bool_)):
+        raise TypeError(f"block_wait must be a bool, got {type(block_wait).__name__}")
+    return _merge_launch_for(keys_a, world, arrays[1:3] + arrays[6:], waits,
+                             [timeout_ns, int(block_wait)],
                              query_len, init_blocks, local_blocks, block_page_stride, method,
                              threads, sort_limit)
 

@@ -44,7 +44,7 @@ def test_every_kernel_compiles_to_ptx_for_sm90():
     assert len(warp) == 12, proc.stdout  # register-only: a local-memory depot fails the line
     assert all(" ok " in line and " 0 B local memory" in line for line in warp), proc.stdout
     ipc = [line for line in proc.stdout.splitlines() if line.startswith("ipc_")]
-    assert len(ipc) == 5 and all(" ok " in line for line in ipc), proc.stdout  # IPC all-gather
+    assert len(ipc) == 6 and all(" ok " in line for line in ipc), proc.stdout  # IPC all-gather
 
 
 # The memory-model instructions each IPC kernel must keep after NVVM (the protocol in
@@ -59,7 +59,7 @@ from numba_cp.backend import cuda
 from numba_cp.compile_check import specialisations
 SIGNAL = (b"st.release.sys", b"membar.sys")
 WAIT = (b"ld.acquire.sys", b"membar.sys", b"nanosleep")
-NEEDS = {"ipc_push": SIGNAL, "ipc_wait_copy": WAIT, "ipc_bump": (),
+NEEDS = {"ipc_push": SIGNAL, "ipc_wait_copy": WAIT, "ipc_bump": (), "ipc_wait": WAIT,
          "shard_topk_keys_to_peers_warp": SIGNAL, "merge_delivered_topk_ids_warp": WAIT,
          "merge_delivered_topk_ids_and_table_warp": WAIT, "shard_topk_keys_to_peers": SIGNAL,
          "merge_delivered_topk_ids": WAIT, "merge_delivered_topk_ids_and_table": WAIT}
@@ -101,5 +101,6 @@ def test_ipc_kernels_assemble_for_sm90():
              for name in [name + suffix]]
     assert labels == fused + [
         "ipc_bump[ctrl=int64]", "ipc_push[unit=uint64]", "ipc_push[unit=uint8]",
-        "ipc_wait_copy[unit=uint64]", "ipc_wait_copy[unit=uint8]"], proc.stdout
+        "ipc_wait_copy[unit=uint64]", "ipc_wait_copy[unit=uint8]", "ipc_wait[ctrl=int64]"], \
+        proc.stdout
     assert all(int(line.split()[1]) > 0 for line in proc.stdout.splitlines()), proc.stdout

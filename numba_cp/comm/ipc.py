@@ -43,14 +43,17 @@ from ..arrays import device_view, resolve_stream
 from ..backend import COMPILE_ONLY, TARGET, cuda
 from ..errors import IPCTimeoutError
 from ..kernels import ipc as K
+from ..launcher import KernelLaunch
 from . import _hip
 from .base import Transport, agree, describe_problem, register_transport, seconds_from_env
 
 __all__ = ["IPCLayout", "CudaIPCMemory", "HostIPCMemory", "IPCEngine", "IPCAllGather", "Delivery",
-           "ipc_memory", "local_probe", "gpu_identity", "peer_access", "TIMEOUT_ENV",
+           "ipc_memory", "local_probe", "gpu_identity", "peer_access", "TIMEOUT_ENV", "WAIT_ENV",
+           "merge_waits", "wait_setting",
            "DEFAULT_TIMEOUT_S", "timeout_from_env"]
 
 TIMEOUT_ENV = "NUMBA_CP_IPC_TIMEOUT"
+WAIT_ENV = "NUMBA_CP_IPC_WAIT"
 # Seconds a device-side wait polls for its peers before it gives up. Far beyond
 # the skew between ranks in steady state (microseconds), yet a dead peer costs
 # seconds, not a hung job. The first gathers after setup wait for the peers'
@@ -366,10 +369,13 @@ class IPCEngine:
         errors: this rank's int64 error words (``ERROR_WORDS``, zeroed), in
             memory the host reads without a synchronisation.
         timeout: seconds a wait polls before it gives up.
+        wait_in_merge: whether the fused exchange's merge blocks wait for the
+            peers (each rank on a GPU of its own), or one wait kernel does
+            before the merge (ranks sharing a GPU; see :mod:`numba_cp.kernels.ipc`).
     """
 
     def __init__(self, rank, world, layout, regions, ctrl, errors, *,
-                 timeout=DEFAULT_TIMEOUT_S):
+                 timeout=DEFAULT_TIMEOUT_S, wait_in_merge=True):
         if len(regions) != world:
             raise ValueError(f"{len(regions)} regions for {world} ranks")
         if not timeout > 0:
@@ -388,6 +394,12 @@ class IPCEngine:
         # The fused exchange addresses every buffer as one run of int64 words.
         self.words = [r.view(0, L.total_bytes // 8, np.int64) for r in regions]
         self._own_region = regions[self.rank]
+        self.wait_in_merge = bool(wait_in_merge)
+        errors = self.errors
+        if isinstance(errors, np.ndarray):  # mapped host memory: its device alias
+            errors = device_view(errors.device_ctypes_pointer.value, errors.size, errors.dtype)
+        self._device_errors = errors
+        self._wait = KernelLaunch(K.ipc_wait_kernel, (1,), 32, [self.world, self.timeout_ns])
 
     # -- per-call pieces ------------------------------------------------------
 
@@ -452,12 +464,14 @@ class IPCEngine:
     def delivery(self) -> "Delivery":
         """What the delivering pack and the delivered merge take (see :class:`Delivery`)."""
         L = self.layout
-        errors = self.errors
-        if isinstance(errors, np.ndarray):  # mapped host memory: its device alias
-            errors = device_view(errors.device_ctypes_pointer.value, errors.size, errors.dtype)
         return Delivery(ctrl=self.ctrl, peers=tuple(self.words), data_start=L.flag_bytes // 8,
-                        slot=L.slot_bytes // 8, flags=self.own_flags, errors=errors,
-                        timeout_ns=self.timeout_ns, keys_view=self.delivered_keys)
+                        slot=L.slot_bytes // 8, flags=self.own_flags, errors=self._device_errors,
+                        timeout_ns=self.timeout_ns, keys_view=self.delivered_keys,
+                        wait_in_merge=self.wait_in_merge, wait=self.wait)
+
+    def wait(self, stream=None):
+        """Queue the one-block wait for this call's deliveries (when merges do not wait)."""
+        self._wait((self.ctrl, self.own_flags, self._device_errors), stream)
 
     def delivered_keys(self, shape):
         """int64 ``[2 * world, *shape]`` over both halves of this rank's slots: rank
@@ -490,7 +504,9 @@ class Delivery(NamedTuple):
     data halves from word ``data_start``, ``world`` slots of ``slot`` words
     each); ``ctrl``, ``flags``, ``errors``: this rank's control words, its
     own flags and its host-mapped error words; ``keys_view(shape)``: the
-    merge's view of both halves (:meth:`IPCEngine.delivered_keys`).
+    merge's view of both halves (:meth:`IPCEngine.delivered_keys`);
+    ``wait_in_merge``: whether the merge's blocks wait, or ``wait(stream)``
+    is queued before a merge that does not.
     """
 
     ctrl: object
@@ -501,6 +517,26 @@ class Delivery(NamedTuple):
     errors: object
     timeout_ns: int
     keys_view: Callable
+    wait_in_merge: bool
+    wait: Callable
+
+
+def wait_setting() -> str:
+    """``NUMBA_CP_IPC_WAIT``: ``merge``, ``kernel``, or empty (decide from the GPUs)."""
+    setting = os.environ.get(WAIT_ENV, "").strip().lower()
+    if setting not in ("", "merge", "kernel"):
+        raise ValueError(f"{WAIT_ENV}={setting!r}: expected 'merge' (the merge's blocks wait "
+                         "for the peers) or 'kernel' (one wait kernel before the merge)")
+    return setting
+
+
+def merge_waits(identities, setting="") -> bool:
+    """Whether the fused merge's blocks wait for the peers: when every rank has a GPU of
+    its own (``identities``: the ranks' PCI bus ids). Ranks that share one wait in a
+    one-block kernel instead, which cannot starve the packs they wait for."""
+    if setting:
+        return setting == "merge"
+    return None not in identities and len(set(identities)) == len(identities)
 
 
 def timeout_from_env(default: float = DEFAULT_TIMEOUT_S) -> float:
@@ -531,6 +567,11 @@ class IPCAllGather(Transport):
             A wait that gives up poisons the peers and writes host-mapped error
             words: :meth:`failure` reads them without a synchronisation.
 
+    In the fused exchange (:meth:`delivery`) the merge's blocks wait for the
+    peers when every rank has a GPU of its own; ranks sharing a GPU (or
+    unknown GPUs, as under the simulator) wait in one small kernel before the
+    merge instead. ``NUMBA_CP_IPC_WAIT=merge|kernel`` chooses.
+
     Under the simulator (when forced) the buffers are host shared memory
     (:class:`HostIPCMemory`) and the same kernels run on it.
     :meth:`teardown` is collective: after every rank is done with the buffers,
@@ -560,8 +601,9 @@ class IPCAllGather(Transport):
             return  # every rank agreed on the shape: nothing ever moves
         regions = [None] * world
         self._regions = regions
-        problem = handle = ctrl = errors = None
+        problem = handle = ctrl = errors = setting = None
         try:
+            setting = wait_setting()
             self._memory = memory = ipc_memory()
             regions[rank] = memory.allocate(layout.total_bytes)
             handle = memory.handle(regions[rank])
@@ -570,15 +612,17 @@ class IPCAllGather(Transport):
             memory.synchronize()
         except Exception as exc:
             problem = describe_problem(exc)
-        handles = agree(comm, "ipc setup (allocating and exporting the exchange buffers)",
-                        problem=problem, payload=handle, cleanup=self._release)
+        shared = agree(comm, "ipc setup (allocating and exporting the exchange buffers)",
+                       problem=problem, payload=(handle, gpu_identity()), cleanup=self._release)
+        handles, identities = zip(*shared)
         problem = None
         try:
             for peer in range(world):
                 if peer != rank:  # a process cannot open its own IPC handle
                     regions[peer] = memory.open(handles[peer], layout.total_bytes)
             engine = IPCEngine(rank, world, layout, regions, ctrl, errors,
-                               timeout=self.timeout)
+                               timeout=self.timeout,
+                               wait_in_merge=merge_waits(identities, setting))
         except Exception as exc:
             problem = describe_problem(exc)
         agree(comm, "ipc setup (opening the peers' exchange buffers)", problem=problem,

@@ -71,6 +71,17 @@ value (a captured graph of the two kernels moves on each replay), the bump
 launch is gone (the pack publishes the epoch it used), and so are the push
 launches and the copy-out.
 
+Where the merge waits. Waiting in every merge block is right when each rank
+has a GPU of its own: the blocks that spin are this rank's, and the packs
+they wait for run elsewhere. Ranks that share one GPU (under MPS) share its
+block slots, and a waiting block holds its slot: with enough ranks, the
+merges that wait fill the GPU and the pack they wait for cannot start (on
+one H200, eight ranks' case-b merges timed out so). There, one thread of
+:func:`ipc_wait_kernel` waits instead, between the pack and a merge that
+reads in place without waiting: one block per rank, whatever the grid. The
+transport picks the form from the ranks' GPUs (see
+:class:`numba_cp.comm.ipc.IPCAllGather`); the protocol is the same.
+
 Why every pack block reads the old epoch: thread 0 of each block reads
 ``ctrl[EPOCH]`` before its block adds itself to :data:`COUNTER`, and only the
 block that finds every other block counted writes it. Why the halves still
@@ -120,7 +131,7 @@ __all__ = [
     "GAVE_UP_EPOCH", "GAVE_UP_PEER", "POISONED_BY", "ERROR_WORDS",
     "slot_base", "PEER_SLOTS", "delivery_base", "open_delivery", "deliver_key", "close_delivery",
     "await_delivery",
-    "ipc_bump_kernel", "ipc_push_kernel", "ipc_wait_copy_kernel",
+    "ipc_bump_kernel", "ipc_push_kernel", "ipc_wait_copy_kernel", "ipc_wait_kernel",
 ]
 
 # ctrl (private to a rank) word indices
@@ -152,6 +163,8 @@ PUSH_PARAMS = (_CTRL, Array("send", WORD, 1, "C"),
 WAIT_COPY_PARAMS = (_CTRL, _WORDS._replace(name="flags"), Array("data", WORD, 1, "C"),
                     Array("recv", WORD, 1, "C"), _WORDS._replace(name="errors"),
                     *scalars("count", "slot", "world", "timeout_ns"))
+WAIT_PARAMS = (_CTRL, _WORDS._replace(name="flags"), _WORDS._replace(name="errors"),
+               *scalars("world", "timeout_ns"))
 
 
 def slot_base(epoch, world, rank, slot):
@@ -400,12 +413,24 @@ def close_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7,
 
 
 @cuda.jit(device=True)
-def await_delivery(ctrl, flags, errors, world, timeout_ns):
-    """Wait until every rank delivered this call (thread 0 polls, bounded); returns
-    ``first``, the index of rank 0's slot of this call's half in ``[2 * world]``."""
+def await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait):
+    """``first``, the index of rank 0's slot of this call's half in ``[2 * world]``;
+    with ``block_wait``, after waiting until every rank delivered this call
+    (thread 0 polls, bounded). Without it, :func:`ipc_wait_kernel` waited."""
     epoch = ctrl[EPOCH]
-    if cuda.threadIdx.x == 0:
-        _wait_all(ctrl, flags, errors, world, epoch, timeout_ns)
-        fence_system()  # acquire for the whole block (with the barrier below)
-    cuda.syncthreads()
+    if block_wait != 0:  # the same for the whole grid: a kernel argument
+        if cuda.threadIdx.x == 0:
+            _wait_all(ctrl, flags, errors, world, epoch, timeout_ns)
+            fence_system()  # acquire for the whole block (with the barrier below)
+        cuda.syncthreads()
     return (epoch & 1) * world
+
+
+@cuda.jit
+@declare(*WAIT_PARAMS)
+def ipc_wait_kernel(ctrl, flags, errors, world, timeout_ns):
+    """One thread waits until every rank delivered this call; the merge after it on
+    the stream reads in place without waiting (``block_wait=0``)."""
+    if cuda.threadIdx.x == 0 and cuda.blockIdx.x == 0:
+        _wait_all(ctrl, flags, errors, world, ctrl[EPOCH], timeout_ns)
+        fence_system()

@@ -339,9 +339,9 @@ def merge_delivered_kernel(capacity):
     @cuda.jit
     @declare(*MERGE_DELIVERED_PARAMS)
     def merge_delivered_topk_ids(keys, topk_idx, seq_lens, ctrl, flags, errors, query_len,
-                                 init_blocks, local_blocks, timeout_ns):
+                                 init_blocks, local_blocks, timeout_ns, block_wait):
         world = keys.shape[0] >> 1
-        first = await_delivery(ctrl, flags, errors, world, timeout_ns)
+        first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
@@ -359,9 +359,10 @@ def merge_delivered_table_kernel(capacity):
     @declare(*MERGE_DELIVERED_TABLE_PARAMS)
     def merge_delivered_topk_ids_and_table(keys, topk_idx, seq_lens, ctrl, flags, errors,
                                            block_table, sparse_table, context_lens, query_len,
-                                           init_blocks, local_blocks, page_stride, timeout_ns):
+                                           init_blocks, local_blocks, page_stride, timeout_ns,
+                                           block_wait):
         world = keys.shape[0] >> 1
-        first = await_delivery(ctrl, flags, errors, world, timeout_ns)
+        first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)

@@ -47,9 +47,9 @@ PACK_TO_PEERS_PARAMS = (*PACK_PARAMS[:2], _WORDS,
                         *PACK_PARAMS[3:], *scalars("data_start", "slot"))
 _WAIT_ARRAYS = (_WORDS, _WORDS._replace(name="flags"), _WORDS._replace(name="errors"))
 MERGE_DELIVERED_PARAMS = (*MERGE_PARAMS[:3], *_WAIT_ARRAYS, *MERGE_PARAMS[3:],
-                          *scalars("timeout_ns"))
+                          *scalars("timeout_ns", "block_wait"))
 MERGE_DELIVERED_TABLE_PARAMS = (*MERGE_PARAMS[:3], *_WAIT_ARRAYS, *MERGE_TABLE_PARAMS[3:],
-                                *scalars("timeout_ns"))
+                                *scalars("timeout_ns", "block_wait"))
 
 # ctx tuples handed to the candidate readers
 # shard:    (head, row, rank, world, init_blocks, local_start)

@@ -461,9 +461,10 @@ def merge_delivered_kernel(run, slots, warps):
     @cuda.jit
     @declare(*MERGE_DELIVERED_PARAMS)
     def merge_delivered_topk_ids_warp(keys, topk_idx, seq_lens, ctrl, flags, errors,
-                                      query_len, init_blocks, local_blocks, timeout_ns):
+                                      query_len, init_blocks, local_blocks, timeout_ns,
+                                      block_wait):
         world = keys.shape[0] >> 1
-        first = await_delivery(ctrl, flags, errors, world, timeout_ns)
+        first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
@@ -484,9 +485,9 @@ def merge_delivered_table_kernel(run, slots, warps):
     def merge_delivered_topk_ids_and_table_warp(keys, topk_idx, seq_lens, ctrl, flags, errors,
                                                 block_table, sparse_table, context_lens,
                                                 query_len, init_blocks, local_blocks,
-                                                page_stride, timeout_ns):
+                                                page_stride, timeout_ns, block_wait):
         world = keys.shape[0] >> 1
-        first = await_delivery(ctrl, flags, errors, world, timeout_ns)
+        first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)

@@ -381,7 +381,7 @@ class ExchangeRanks:
     HEADS, TOKENS, TOPK, BLOCKS = 2, 4, 5, 23
     WINDOW = dict(topk=TOPK, query_len=1, global_blocks=BLOCKS, init_blocks=1, local_blocks=1)
 
-    def __init__(self, world, timeout=30.0):
+    def __init__(self, world, timeout=30.0, wait_in_merge=True):
         self.world = world
         self.shape = (self.HEADS, self.TOKENS, self.TOPK)
         self.layout = I.IPCLayout(world, int(np.prod(self.shape)) * 8)
@@ -390,7 +390,8 @@ class ExchangeRanks:
         self.engines = [I.IPCEngine(r, world, self.layout, self.regions,
                                     self.memory.private_zeros(K.CTRL_WORDS, np.int64),
                                     self.memory.mapped_zeros(K.ERROR_WORDS, np.int64),
-                                    timeout=timeout) for r in range(world)]
+                                    timeout=timeout, wait_in_merge=wait_in_merge)
+                        for r in range(world)]
         self.send = [np.zeros(self.shape, np.int64) for _ in range(world)]
         self.recv = [np.zeros((world,) + self.shape, np.int64) for _ in range(world)]
         self.idx = [np.zeros((self.HEADS, self.TOKENS, self.TOPK), np.int32)
@@ -425,9 +426,12 @@ class ExchangeRanks:
         window = {k: v for k, v in self.WINDOW.items() if k not in ("topk", "global_blocks")}
         if fused:
             d = self.engines[r].delivery()
+            if not d.wait_in_merge:
+                d.wait(0)
             ops.merge_delivered_keys(d.keys_view(self.shape), self.idx[r], seq_lens,
                                      ctrl=d.ctrl, flags=d.flags, errors=d.errors,
-                                     timeout_ns=d.timeout_ns, **window)
+                                     timeout_ns=d.timeout_ns, block_wait=d.wait_in_merge,
+                                     **window)
         else:
             engine, nbytes = self.engines[r], self.send[r].nbytes
             engine.wait_copy(engine.flat(self.recv[r], self.recv[r].ctypes.data,
@@ -445,12 +449,14 @@ class ExchangeRanks:
 
 
 @sim_only
-@pytest.mark.parametrize("world, seed", [(2, 0), (3, 1), (4, 2)])
-def test_fused_and_separate_calls_interleave_exactly(world, seed):
+@pytest.mark.parametrize("world, seed, wait_in_merge", [(2, 0, True), (3, 1, False),
+                                                        (4, 2, True), (4, 3, False)])
+def test_fused_and_separate_calls_interleave_exactly(world, seed, wait_in_merge):
     """Kernel-granularity interleavings of fused and separate calls, a rank up to a call
-    ahead: every merge equals the oracle, and the epochs end equal."""
+    ahead, the fused merge waiting in its blocks or after a wait kernel: every merge
+    equals the oracle, and the epochs end equal."""
     rng = random.Random(seed)
-    R = ExchangeRanks(world)
+    R = ExchangeRanks(world, wait_in_merge=wait_in_merge)
     calls = 5
     try:
         step, call = [0] * world, [1] * world
@@ -477,8 +483,9 @@ def test_fused_and_separate_calls_interleave_exactly(world, seed):
 
 
 @sim_only
-def test_fused_merge_gives_up_then_the_next_pack_poisons():
-    R = ExchangeRanks(3, timeout=0.2)
+@pytest.mark.parametrize("wait_in_merge", [True, False])
+def test_fused_merge_gives_up_then_the_next_pack_poisons(wait_in_merge):
+    R = ExchangeRanks(3, timeout=0.2, wait_in_merge=wait_in_merge)
     try:
         R.pack(0, 1, fused=True)
         t0 = time.perf_counter()
@@ -497,3 +504,16 @@ def test_fused_merge_gives_up_then_the_next_pack_poisons():
         assert np.asarray(R.engines[1].errors)[K.POISONED_BY] == 1  # 1 + rank 0
     finally:
         R.close()
+
+
+def test_merge_waits_only_when_every_rank_has_its_own_gpu(monkeypatch):
+    assert I.merge_waits(["0000:01:00.0", "0000:02:00.0"]) is True
+    assert I.merge_waits(["0000:01:00.0", "0000:01:00.0"]) is False  # sharing one (MPS)
+    assert I.merge_waits([None, None]) is False  # unknown (the simulator)
+    assert I.merge_waits([None, None], "merge") is True
+    assert I.merge_waits(["a", "b"], "kernel") is False
+    monkeypatch.setenv(I.WAIT_ENV, " Kernel ")
+    assert I.wait_setting() == "kernel"
+    monkeypatch.setenv(I.WAIT_ENV, "sometimes")
+    with pytest.raises(ValueError, match="NUMBA_CP_IPC_WAIT='sometimes': expected 'merge'"):
+        I.wait_setting()

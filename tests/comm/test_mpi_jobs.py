@@ -97,27 +97,30 @@ def test_plan_serves_token_counts_with_one_transport(mpiexec, tmp_path, n, trans
                              for t in (2, 6, 0, 4, 2)], text
 
 
-@pytest.mark.parametrize("n, fused, extra", [
-    (1, "auto", ["--sparse-table"]),
-    (2, "off", ["--sparse-table", "--merge", "owned", "--heads", "3"]),
-    (2, "on", ["--method", "radix", "--query-len", "1"]),
-    (3, "on", ["--sparse-table", "--merge", "owned", "--heads", "3"]),
-    (4, "on", ["--sparse-table", "--method", "radix"]),
-    (5, "on", ["--merge", "owned"]),
-    (8, "on", ["--sparse-table", "--tokens", "2,6,2"]),
+@pytest.mark.parametrize("n, fused, wait, extra", [
+    (1, "auto", "", ["--sparse-table"]),
+    (2, "off", "", ["--sparse-table", "--merge", "owned", "--heads", "3"]),
+    (2, "on", "merge", ["--method", "radix", "--query-len", "1"]),
+    (3, "on", "kernel", ["--sparse-table", "--merge", "owned", "--heads", "3"]),
+    (4, "on", "merge", ["--sparse-table", "--method", "radix"]),
+    (5, "on", "", ["--merge", "owned"]),
+    (8, "on", "merge", ["--sparse-table", "--tokens", "2,6,2"]),
 ], ids=["world1", "separate-2-table-owned", "fused-2-radix", "fused-3-table-owned",
         "fused-4-table-radix", "fused-5-owned", "fused-8-table"])
-def test_fused_ipc_exchange_is_exact(mpiexec, tmp_path, n, fused, extra):
+def test_fused_ipc_exchange_is_exact(mpiexec, tmp_path, n, fused, wait, extra):
     """The fused exchange (pack delivers into every rank, merge reads in place) against
     the oracle: every call alternates the buffer half, with the table, owned heads,
-    both kernel families, query_len 2 (default) and 1, at world 1 to 8."""
+    both kernel families, query_len 2 (default) and 1, the merge's blocks waiting or a
+    wait kernel before it (NUMBA_CP_IPC_WAIT), at world 1 to 8."""
     tokens = "2,5,0,4,3" if "--query-len" in extra else "2,6,0,4,2"
     if "--tokens" in extra:
         tokens = extra[extra.index("--tokens") + 1]
     args = ["--transport", "ipc", "--fused", fused, *extra]
     if "--tokens" not in extra:
         args += ["--tokens", tokens]
-    status, lines, output = run_ranks(mpiexec, n, tmp_path / "plan", "plan_check.py", *args)
+    env = {"NUMBA_CP_IPC_WAIT": wait} if wait else None
+    status, lines, output = run_ranks(mpiexec, n, tmp_path / "plan", "plan_check.py", *args,
+                                      env=env)
     assert status == 0, output[-4000:]
     expect_fused = fused != "off" and n > 1
     for rank, text in lines.items():

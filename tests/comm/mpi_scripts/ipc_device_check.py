@@ -381,6 +381,8 @@ def _exchange_round(comm, config, fused, scores, seq_lens, shards, oracle, fewer
 
     rank, world = comm.Get_rank(), comm.Get_size()
     label = "fused" if fused else "separate"
+    DEV.copy(scores, shards[0], stream)  # the previous round's replays left either workload
+    DEV.sync(stream)
     with CandidateExchange(comm, config, transport="ipc", fused=fused) as plan:
         transport = plan.transport
         if transport.name != "ipc" or not plan.gather_is_capturable or plan.fused != fused:
