@@ -224,9 +224,9 @@ def launcher(args, world):
     if os.geteuid() == 0 and "open mpi" in subprocess.run(
             [command[0], "--version"], capture_output=True, text=True).stdout.lower():
         command += ["--allow-run-as-root", "--oversubscribe"]
-        for var in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "PYTHONPATH",
-                    "NUMBA_CP_BACKEND"):
-            if var in os.environ:
+        # Open MPI passes on only what -x names
+        for var in sorted(os.environ):
+            if var.startswith(("NUMBA_CP_", "CUDA_MPS_")) or var == "PYTHONPATH":
                 command += ["-x", var]
     return command + ["-n", str(world)]
 
