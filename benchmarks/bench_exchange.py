@@ -15,7 +15,10 @@ shape (its ``world`` replaced by the job's), captures it once (one CUDA graph wi
 device-side gather, two graphs around an MPI gather), and times it. The gathers
 (``--gathers``): ``ipc-fused``, the IPC transport fused into the pack and merge kernels
 (two kernels per exchange); ``ipc``, the same transport as separate launches between
-them; ``staged``, MPI through pinned host buffers; any other transport by name.
+them; ``staged``, MPI through pinned host buffers; any other transport by name; and
+``alone``, every rank running the same kernels on its shard as a world of its own (checked
+against the shard's oracle), with nothing exchanged: what ``P`` processes get from the
+GPUs they share, the floor under any exchange among them.
 
 ``replay µs``
     ``--replays`` back-to-back replays on every rank with one synchronisation at the end:
@@ -36,6 +39,7 @@ that the flow runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -46,7 +50,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GATHERS = ("ipc-fused", "ipc", "staged")
+GATHERS = ("ipc-fused", "ipc", "staged", "alone")
 
 
 def parse_args(argv=None):
@@ -134,9 +138,15 @@ def run_job(args):
                                 global_blocks=work.global_blocks, sparse_table=shape["table"],
                                 **window)
         for gather in gathers:
-            transport = {"none": None, "ipc-fused": "ipc"}.get(gather, gather)
+            transport = {"none": None, "ipc-fused": "ipc", "alone": None}.get(gather, gather)
+            group, plan_config, expected = comm, config, want
+            if gather == "alone":  # this rank's shard as a world of its own: nothing moves
+                group = MPI.COMM_SELF
+                plan_config = dataclasses.replace(config, world=1, global_blocks=shard.shape[2])
+                expected = ref.global_topk(shard, work.seq_lens, topk=shape["topk"],
+                                           global_blocks=shard.shape[2], **window)
             stream = None if simulator else cupy.cuda.Stream(non_blocking=True)
-            with CandidateExchange(comm, config, transport=transport,
+            with CandidateExchange(group, plan_config, transport=transport,
                                    fused=gather == "ipc-fused") as plan:
                 captured = plan.capture(scores, seq_lens, attention_block_table=table,
                                         stream=stream)
@@ -160,7 +170,7 @@ def run_job(args):
                 sync(stream)
                 plan.check()
                 idx = host_copy(out[0] if shape["table"] else out)
-                exact = bool((idx == want).all())
+                exact = bool((idx == expected).all())
                 eager = []
                 for _ in range(args.iterations):
                     start = time.perf_counter()
@@ -170,7 +180,7 @@ def run_job(args):
                     comm.Barrier()
                 plan.check()
                 idx = host_copy(out[0] if shape["table"] else out)
-                exact = exact and bool((idx == want).all())
+                exact = exact and bool((idx == expected).all())
                 eager_us = float(np.median(eager)) * 1e6
                 fused = plan.fused
             rows.append(dict(case=name, world=world, gather=gather, fused=fused,

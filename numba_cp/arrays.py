@@ -15,7 +15,8 @@ import numpy as np
 from ._numba import simulated_device_view
 from .backend import TARGET, cuda
 
-__all__ = ["KernelArray", "as_kernel_array", "with_leading_axis", "device_view", "byte_range",
+__all__ = ["KernelArray", "as_kernel_array", "with_leading_axis", "device_view", "fixed_view",
+           "byte_range",
            "resolve_stream", "stream_handle", "synchronize", "device_copy", "host_copy"]
 
 
@@ -51,6 +52,15 @@ class _InterfaceView:
 
     def __init__(self, interface):
         self.__cuda_array_interface__ = interface
+
+
+def fixed_view(array):
+    """``array`` with its ``__cuda_array_interface__`` read once, for buffers whose place
+    never changes (a transport's): keying a launch on it then costs a lookup, not the
+    dict Numba builds on every access. Under the simulator, ``array`` itself."""
+    if TARGET.simulator:
+        return array
+    return _InterfaceView(dict(array.__cuda_array_interface__, stream=None))
 
 
 def device_view(pointer: int, count, dtype, strides=None):

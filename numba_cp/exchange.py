@@ -226,7 +226,7 @@ class CandidateExchange:
             owned = slice(self.heads.start, self.heads.stop)
             delivered = None
             if self._delivery is not None:
-                delivered = self._delivery.keys_view((c.heads, tokens, per_shard))[:, owned]
+                delivered = self._delivery.keys_view((c.heads, tokens, per_shard), owned)
             views = self._views[tokens] = _Views(send, recv, recv[:, owned], idx, sbt, ctx,
                                                  delivered)
         return views

@@ -23,6 +23,7 @@ def test_bench_exchange_small_run(tmp_path, mpiexec):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(r["world"], r["gather"], r["fused"]) for r in rows] == [
-        (1, "none", False), (2, "ipc-fused", True), (2, "ipc", False), (2, "staged", False)]
+        (1, "none", False), (2, "ipc-fused", True), (2, "ipc", False), (2, "staged", False),
+        (2, "alone", False)]
     assert all(r["exact"] and len(r["per_rank"]) == r["world"] for r in rows), rows
     assert all(r["eager_host_us"] > 0 for r in rows), rows

@@ -39,7 +39,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from .._numba import simulated_device_view
-from ..arrays import device_view, resolve_stream
+from ..arrays import device_view, fixed_view, resolve_stream
 from ..backend import COMPILE_ONLY, TARGET, cuda
 from ..errors import IPCTimeoutError
 from ..kernels import ipc as K
@@ -464,9 +464,12 @@ class IPCEngine:
     def delivery(self) -> "Delivery":
         """What the delivering pack and the delivered merge take (see :class:`Delivery`)."""
         L = self.layout
-        return Delivery(ctrl=self.ctrl, peers=tuple(self.words), data_start=L.flag_bytes // 8,
-                        slot=L.slot_bytes // 8, flags=self.own_flags, errors=self._device_errors,
-                        timeout_ns=self.timeout_ns, keys_view=self.delivered_keys,
+        return Delivery(ctrl=fixed_view(self.ctrl), peers=tuple(map(fixed_view, self.words)),
+                        data_start=L.flag_bytes // 8, slot=L.slot_bytes // 8,
+                        flags=fixed_view(self.own_flags), errors=fixed_view(self._device_errors),
+                        timeout_ns=self.timeout_ns,
+                        keys_view=lambda shape, owned: fixed_view(
+                            self.delivered_keys(shape)[:, owned]),
                         wait_in_merge=self.wait_in_merge, wait=self.wait)
 
     def wait(self, stream=None):
@@ -503,8 +506,9 @@ class Delivery(NamedTuple):
     ``peers[q]``: rank ``q``'s exchange buffer as int64 words (flags, then the
     data halves from word ``data_start``, ``world`` slots of ``slot`` words
     each); ``ctrl``, ``flags``, ``errors``: this rank's control words, its
-    own flags and its host-mapped error words; ``keys_view(shape)``: the
-    merge's view of both halves (:meth:`IPCEngine.delivered_keys`);
+    own flags and its host-mapped error words; ``keys_view(shape, owned)``:
+    the merge's view of both halves (:meth:`IPCEngine.delivered_keys`), heads
+    ``owned`` (a slice);
     ``wait_in_merge``: whether the merge's blocks wait, or ``wait(stream)``
     is queued before a merge that does not.
     """

@@ -12,6 +12,7 @@ replayed eagerly), so the checks themselves stay exercised everywhere.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -33,7 +34,8 @@ def verdicts(output):
     """``{check: (verdict, detail)}`` from the script's ``PASS|FAIL|SKIP  <check>  <detail>``."""
     found = {}
     for line in output.splitlines():
-        parts = line.split("  ", 2)
+        # a rank's stderr (Numba's colour codes) may run into rank 0's line
+        parts = re.sub(r"\x1b\[[0-9;]*m", "", line).split("  ", 2)
         if parts[0] in ("PASS", "FAIL", "SKIP") and len(parts) >= 2:
             assert parts[1] not in found, f"{parts[1]} reported twice:\n{output[-4000:]}"
             found[parts[1]] = (parts[0], parts[2] if len(parts) > 2 else "")

@@ -428,7 +428,7 @@ class ExchangeRanks:
             d = self.engines[r].delivery()
             if not d.wait_in_merge:
                 d.wait(0)
-            ops.merge_delivered_keys(d.keys_view(self.shape), self.idx[r], seq_lens,
+            ops.merge_delivered_keys(d.keys_view(self.shape, slice(None)), self.idx[r], seq_lens,
                                      ctrl=d.ctrl, flags=d.flags, errors=d.errors,
                                      timeout_ns=d.timeout_ns, block_wait=d.wait_in_merge,
                                      **window)
