@@ -15,7 +15,8 @@ import numpy as np
 from ._numba import simulated_device_view
 from .backend import TARGET, cuda
 
-__all__ = ["KernelArray", "as_kernel_array", "with_leading_axis", "device_view", "fixed_view",
+__all__ = ["KernelArray", "as_kernel_array", "with_leading_axis", "device_view", "FixedView",
+           "fixed_view",
            "byte_range",
            "resolve_stream", "stream_handle", "synchronize", "device_copy", "host_copy"]
 
@@ -54,13 +55,27 @@ class _InterfaceView:
         self.__cuda_array_interface__ = interface
 
 
+class FixedView:
+    """A device array whose place never changes (a transport's buffer), described once.
+
+    Its ``__cuda_array_interface__`` is a plain attribute and ``signature`` is
+    what :func:`numba_cp.launcher.array_signature` would compute, so keying a
+    launch on it is a lookup, not the dict Numba builds on every access.
+    """
+
+    def __init__(self, interface):
+        self.__cuda_array_interface__ = interface
+        strides = interface.get("strides")
+        self.signature = ((interface["typestr"], tuple(interface["shape"]),
+                           None if strides is None else tuple(strides),
+                           bool(interface["data"][1])), interface["data"][0])
+
+
 def fixed_view(array):
-    """``array`` with its ``__cuda_array_interface__`` read once, for buffers whose place
-    never changes (a transport's): keying a launch on it then costs a lookup, not the
-    dict Numba builds on every access. Under the simulator, ``array`` itself."""
+    """``array`` as a :class:`FixedView`; under the simulator, ``array`` itself."""
     if TARGET.simulator:
         return array
-    return _InterfaceView(dict(array.__cuda_array_interface__, stream=None))
+    return FixedView(dict(array.__cuda_array_interface__, stream=None))
 
 
 def device_view(pointer: int, count, dtype, strides=None):

@@ -27,7 +27,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import _numba
-from .arrays import as_kernel_array, resolve_stream, with_leading_axis
+from .arrays import FixedView, as_kernel_array, resolve_stream, with_leading_axis
 from .backend import TARGET
 from .kernels.params import Array
 
@@ -47,6 +47,8 @@ def array_signature(obj):
             return ((obj.dtype.str, obj.shape, obj.strides, not obj.flags.writeable),
                     obj.__array_interface__["data"][0])
         return None
+    if type(obj) is FixedView:
+        return obj.signature
     if type(obj) is _cupy_ndarray():
         # CuPy builds its interface dict on every access (about 2 us); its attributes
         # say the same for the key. dtype.str is the interface's typestr.

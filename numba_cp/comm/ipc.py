@@ -400,6 +400,9 @@ class IPCEngine:
             errors = device_view(errors.device_ctypes_pointer.value, errors.size, errors.dtype)
         self._device_errors = errors
         self._wait = KernelLaunch(K.ipc_wait_kernel, (1,), 32, [self.world, self.timeout_ns])
+        self._wait_objects = tuple(map(fixed_view, (ctrl, self.own_flags, errors)))
+        self._wait_pointers = (None if TARGET.simulator else
+                               [view.signature[1] for view in self._wait_objects])
 
     # -- per-call pieces ------------------------------------------------------
 
@@ -474,7 +477,7 @@ class IPCEngine:
 
     def wait(self, stream=None):
         """Queue the one-block wait for this call's deliveries (when merges do not wait)."""
-        self._wait((self.ctrl, self.own_flags, self._device_errors), stream)
+        self._wait(self._wait_objects, stream, self._wait_pointers)
 
     def delivered_keys(self, shape):
         """int64 ``[2 * world, *shape]`` over both halves of this rank's slots: rank
