@@ -4,11 +4,10 @@ The fused IPC exchange's buffers (flags and keys in one allocation) are
 allocated uncached on AMD GPUs, as RCCL allocates its peer-to-peer FIFOs with
 their flags, AITER its signal and scratch buffers, and vLLM's custom
 all-reduce its shared buffers: ``hipExtMallocWithFlags(...,
-hipDeviceMallocUncached)``. Uncached peer memory is MTYPE UC on gfx90a and
-gfx942: neither the writer's nor the reader's L2 keeps a line of it, so a
-key or flag written over XGMI is what the peer's next load reads, whatever
-the scope of the atomics around it. See docs/SPEC.md, "The fused exchange on
-AMD GPUs".
+hipDeviceMallocUncached)``. The driver maps such memory uncached on a peer
+(MTYPE UC: a peer's stores over XGMI skip its L2) and cache-coherent on its
+own GPU (MTYPE CC), on gfx90a and gfx942 alike, so a key or flag a peer
+wrote is what the owner's next load reads. See docs/SPEC.md, section 10.2.
 """
 
 from __future__ import annotations
