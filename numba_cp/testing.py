@@ -143,7 +143,8 @@ class ExchangeCase:
 
     @property
     def valid_blocks(self):
-        """int64 ``[tokens]``: how many blocks each row may select (0 for a padded row)."""
+        """int64 ``[tokens]``: each row's candidate blocks, SPEC.md's ``valid_blocks``
+        capped at ``global_blocks`` (0 for a padded row)."""
         return _row_valid_blocks(self.seq_lens, self.tokens, self.query_len, self.global_blocks)
 
     def expected(self, *, attention_block_table=None, block_page_stride=None):
