@@ -32,7 +32,7 @@ __all__ = ["TESTED", "lock_simulated_shared_arrays", "simulated_device_view",
            "simulated_warp_slot", "kernel_py_func", "compiled_function",
            "flattened_array_fields", "launch_with_cuda_core", "warn_fallback",
            "stand_in_device", "intrinsic_api", "llvm_module_in_context", "comgr_compile",
-           "target_machine_handle"]
+           "target_machine_handle", "enable_disk_cache"]
 
 
 # ---------------------------------------------------------------------------
@@ -138,6 +138,36 @@ def launch_with_cuda_core(stream, dims, kernel, values):
     options = dict(grid=dims[:3], block=dims[3:], shmem_size=0)
     options["is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch"] = False
     launch(stream, LaunchConfig(**options), kernel, *[int(v) for v in values])
+
+
+def enable_disk_cache(dispatcher, folder: str) -> bool:
+    """Give a numba-cuda kernel Numba's on-disk cache in ``folder`` (``cache=True``'s
+    cache, in a folder of our choosing). Returns whether the kernel caches.
+
+    ``dispatcher.enable_caching()`` builds a ``CUDACache`` whose locator reads
+    ``numba.cuda.core.config.CACHE_DIR`` when it is made; the setting is put back
+    right after, so nothing else in the process changes. A closure whose captured
+    values do not pickle is left uncached: its cache key could not be computed at
+    launch.
+    """
+    from numba.cuda.core import config
+    from numba.cuda.dispatcher import CUDACache
+    from numba.cuda.serialize import dumps
+
+    try:
+        if isinstance(dispatcher._cache, CUDACache):
+            return True
+        closure = dispatcher.py_func.__closure__ or ()
+        dumps(tuple(cell.cell_contents for cell in closure))
+        saved = config.CACHE_DIR
+        config.CACHE_DIR = folder
+        try:
+            dispatcher.enable_caching()
+        finally:
+            config.CACHE_DIR = saved
+        return isinstance(dispatcher._cache, CUDACache)
+    except Exception:  # an internal moved, or the closure does not pickle: compile as before
+        return False
 
 
 _WARNED = set()
