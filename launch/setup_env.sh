@@ -96,10 +96,11 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.numba_cp-setup" 2>/dev/null)"
   echo "setup: building $VENV (stack $STACK, MPI $MPI_KIND): it is missing or pyproject.toml changed" >&2
   if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV" || _setup_fail "$PYTHON -m venv $VENV failed"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip ||
+      _setup_fail "could not upgrade pip in $VENV (is the package index reachable?)"
   fi
   _setup_install || _setup_fail "installing into $VENV failed (see above); nothing was recorded, so the next run tries again"
   printf '%s\n' "$_wanted" > "$VENV/.numba_cp-setup"
 fi
 unset _wanted
-export PATH="$PWD/$VENV/bin:$PATH"
+case "$VENV" in /*) export PATH="$VENV/bin:$PATH" ;; *) export PATH="$PWD/$VENV/bin:$PATH" ;; esac

@@ -216,5 +216,9 @@ def plot_sweep(runs: list[dict], path, *, world: int, backend: str,
 
 
 def command_line() -> list[str]:
-    """This process's command line as started: ``python -m ...`` or the console script."""
+    """This process's command line as started (``python -m numba_cp.main_job ...``, the
+    console script, or a script); ``sys.argv[0]`` alone hides ``-m``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return [sys.executable, "-m", spec.name, *sys.argv[1:]]
     return [sys.executable, *sys.argv]
