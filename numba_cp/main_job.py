@@ -44,7 +44,8 @@ def _import_mpi():
     try:
         from mpi4py import MPI
     except (ImportError, RuntimeError) as exc:
-        report_option_error(f"mpi4py could not load an MPI library ({exc}); install one "
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]  # one line
+        report_option_error(f"mpi4py could not load an MPI library ({why}); install one "
                             "(pip install 'numba_cp[mpich]') or load the site's MPI module")
         sys.exit(2)
     return MPI
