@@ -19,9 +19,10 @@ from functools import lru_cache
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NO_NVVM = ("the CUDA toolkit's NVVM is not in this environment (the CPU-only setup leaves "
-           "out numba-cuda[cu13]'s toolkit wheels); NUMBA_CP_PTX_CHECK=1 runs this check in "
-           ".venv-ptx-check (tools/ptx_compile_check.sh, about 0.5 GB of downloads)")
+NO_NVVM = ("this environment cannot compile for NVIDIA GPUs: the CPU-only setup leaves out "
+           "numba-cuda[cu13]'s CUDA toolkit wheels (NVVM, NVRTC); NUMBA_CP_PTX_CHECK=1 runs "
+           "this check in .venv-ptx-check (tools/ptx_compile_check.sh, about 0.5 GB of "
+           "downloads)")
 
 
 def _compile_only_env():
@@ -31,19 +32,32 @@ def _compile_only_env():
     return env
 
 
+# A one-line kernel compiled to PTX: a system CUDA may have NVVM but not NVRTC, which
+# numba-cuda needs as well.
+_PROBE = """
+from numba import types
+from numba_cp._numba import stand_in_device
+from numba_cp.backend import cuda
+def kernel(out):
+    out[0] = 1
+with stand_in_device("cuda", compute_capability=(9, 0)):
+    cuda.compile_ptx(kernel, (types.int64[:],), cc=(9, 0))
+"""
+
+
 @lru_cache(maxsize=None)
-def _nvvm_here() -> bool:
-    probe = "import numba_cp\nfrom numba.cuda.cudadrv.nvvm import NVVM\nNVVM()"
-    proc = subprocess.run([sys.executable, "-c", probe], env=_compile_only_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+def _compiler_here() -> bool:
+    proc = subprocess.run([sys.executable, "-c", _PROBE], env=_compile_only_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     return proc.returncode == 0
 
 
 def run_with_nvvm(*python_args, timeout):
-    """``python *python_args`` where NVVM is, in compile-only mode; skips if nowhere."""
+    """``python *python_args`` where numba-cuda can compile (NVVM and NVRTC), in
+    compile-only mode; skips if nowhere."""
     if importlib.util.find_spec("numba_cuda") is None:
         pytest.skip("numba-cuda is not installed (an AMD-only environment)")
-    if _nvvm_here():
+    if _compiler_here():
         command = [sys.executable, *python_args]
     elif os.environ.get("NUMBA_CP_PTX_CHECK") == "1":
         command = ["bash", "tools/ptx_compile_check.sh", *python_args]
