@@ -44,6 +44,9 @@ ENVIRONMENT = (
                          "300 under the simulator)"),
     ("NUMBA_CP_IPC_TIMEOUT", "seconds an IPC wait spins before it poisons its peers "
                              "(default 5; 60 under the simulator)"),
+    ("NUMBA_CP_IPC_WAIT", "merge | kernel: where the fused IPC exchange waits for its peers "
+                          "(default: in the merge when every rank has a GPU of its own, else "
+                          "in one small kernel)"),
     ("NUMBA_CP_KERNEL_CACHE", "0: compile kernels in every process; a folder: keep compiled "
                               "kernels there (default ~/.cache/numba_cp; CUDA only)"),
     ("NUMBA_CP_COMPILE_ONLY", "1: load a GPU target without a GPU (compile checks only)"),
@@ -279,6 +282,7 @@ def _check_package_choices(args) -> None:
     try:
         base.collective_timeout()
         ipc.timeout_from_env()
+        ipc.wait_setting()
         gpu_aware._env_flag(gpu_aware.GPU_AWARE_ENV)
     except ValueError as exc:
         raise OptionError(str(exc)) from None

@@ -79,6 +79,7 @@ def test_bad_options_name_the_option(argv, message):
     ({"NUMBA_CP_TIMEOUT": "-1"}, "NUMBA_CP_TIMEOUT='-1': expected a positive number"),
     ({"NUMBA_CP_IPC_TIMEOUT": "soon"}, "NUMBA_CP_IPC_TIMEOUT='soon': expected a positive"),
     ({"NUMBA_CP_GPU_AWARE_MPI": "maybe"}, "NUMBA_CP_GPU_AWARE_MPI='maybe': expected 0 or 1"),
+    ({"NUMBA_CP_IPC_WAIT": "spin"}, "NUMBA_CP_IPC_WAIT='spin': expected 'merge'"),
 ])
 def test_bad_environment_fails_before_mpi(monkeypatch, env, message):
     for name, value in env.items():
