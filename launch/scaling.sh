@@ -54,7 +54,7 @@ run() {  # run NAME WORLD ARGS...
 }
 
 iters="--iters $ITERS --warmup 5"
-[ "${DRY:-0}" = 1 ] && iters="--iters 1 --warmup 0"
+[ "${DRY:-0}" = 1 ] && iters="--iters 1 --warmup 0 --replays 1"
 for world in $WORLDS; do
   for transport in $TRANSPORTS; do
     for c in $CASES; do

@@ -3,7 +3,8 @@
     python launch/scaling_table.py out/scaling
 
 Prints markdown tables (per case, world and transport: median pack, all-gather,
-merge, total and graph replay in us; the context sweep; the world sweep against
+merge, total and graph replay, one per host iteration and back to back, in us; the
+context sweep; the world sweep against
 one GPU doing the whole top-k) and writes scaling-context.png and
 scaling-world.png there when matplotlib is installed.
 """
@@ -13,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-STAGES = ("pack", "all_gather", "merge", "total", "graph_replay")
+STAGES = ("pack", "all_gather", "merge", "total", "graph_replay", "graph_replay_back_to_back")
 
 
 def load(out: Path):

@@ -9,6 +9,9 @@ contract; :mod:`numba_cp.reference` is its NumPy oracle.
 Importing this package selects the kernel target (see :mod:`numba_cp.backend`).
 """
 
+# The one place the version is written: pyproject.toml reads it from here.
+__version__ = "0.1.0"
+
 from . import backend, reference
 from .constants import PAGES, SPARSE_BLOCK
 from .errors import RankAgreementError
@@ -25,4 +28,3 @@ def __getattr__(name):
 
         return getattr(exchange, name)
     raise AttributeError(f"module 'numba_cp' has no attribute {name!r}")
-__version__ = "0.1.0"

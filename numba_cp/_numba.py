@@ -32,7 +32,8 @@ __all__ = ["TESTED", "lock_simulated_shared_arrays", "simulated_device_view",
            "simulated_warp_slot", "kernel_py_func", "compiled_function",
            "flattened_array_fields", "launch_with_cuda_core", "warn_fallback",
            "stand_in_device", "intrinsic_api", "llvm_module_in_context", "comgr_compile",
-           "target_machine_handle"]
+           "target_machine_handle", "enable_disk_cache", "stand_in_context",
+           "compile_for_cache", "load_from_cache"]
 
 
 # ---------------------------------------------------------------------------
@@ -140,6 +141,36 @@ def launch_with_cuda_core(stream, dims, kernel, values):
     launch(stream, LaunchConfig(**options), kernel, *[int(v) for v in values])
 
 
+def enable_disk_cache(dispatcher, folder: str) -> bool:
+    """Give a numba-cuda kernel Numba's on-disk cache in ``folder`` (``cache=True``'s
+    cache, in a folder of our choosing). Returns whether the kernel caches.
+
+    ``dispatcher.enable_caching()`` builds a ``CUDACache`` whose locator reads
+    ``numba.cuda.core.config.CACHE_DIR`` when it is made; the setting is put back
+    right after, so nothing else in the process changes. A closure whose captured
+    values do not pickle is left uncached: its cache key could not be computed at
+    launch.
+    """
+    from numba.cuda.core import config
+    from numba.cuda.dispatcher import CUDACache
+    from numba.cuda.serialize import dumps
+
+    try:
+        if isinstance(dispatcher._cache, CUDACache):
+            return True
+        closure = dispatcher.py_func.__closure__ or ()
+        dumps(tuple(cell.cell_contents for cell in closure))
+        saved = config.CACHE_DIR
+        config.CACHE_DIR = folder
+        try:
+            dispatcher.enable_caching()
+        finally:
+            config.CACHE_DIR = saved
+        return isinstance(dispatcher._cache, CUDACache)
+    except Exception:  # an internal moved, or the closure does not pickle: compile as before
+        return False
+
+
 _WARNED = set()
 
 
@@ -198,6 +229,49 @@ def stand_in_device(target_name: str, **attributes):
         yield
     finally:
         dispatcher.get_current_device = real
+
+
+@contextlib.contextmanager
+def stand_in_context(compute_capability, runtime_version=(13, 0)):
+    """While inside, numba-cuda compiles and keys its disk cache as if a GPU of
+    ``compute_capability`` were current, with no driver (tools/kernel_cache_timing.py).
+
+    A kernel is compiled for the current context's device (``devices.get_context``,
+    read by the code library and by the cache key's ``magic_tuple``, with the runtime
+    version); with no GPU both are supplied here.
+    """
+    from numba.cuda import codegen
+    from numba.cuda.cudadrv import devices, runtime
+
+    context = SimpleNamespace(device=SimpleNamespace(compute_capability=compute_capability))
+    saved = devices.get_context, codegen.devices.get_context, runtime.runtime.get_version
+    devices.get_context = codegen.devices.get_context = lambda *args, **kwargs: context
+    runtime.runtime.get_version = lambda: runtime_version
+    try:
+        with stand_in_device("cuda", compute_capability=compute_capability):
+            yield
+    finally:
+        devices.get_context, codegen.devices.get_context, runtime.runtime.get_version = saved
+
+
+def compile_for_cache(dispatcher, signature, compute_capability):
+    """Compile one specialisation as a launch would (NVVM, then nvJitLink to a cubin)
+    and save it in the dispatcher's disk cache; returns the compiled kernel."""
+    from numba.core import sigutils
+    from numba.cuda.dispatcher import _Kernel
+
+    argtypes, _ = sigutils.normalize_signature(signature)
+    kernel = _Kernel(dispatcher.py_func, argtypes, **dispatcher.targetoptions)
+    kernel._codelibrary.get_cubin(cc=compute_capability)
+    dispatcher._cache.save_overload(signature, kernel)
+    return kernel
+
+
+def load_from_cache(dispatcher, signature):
+    """The specialisation from the dispatcher's disk cache, or None."""
+    from numba.cuda.descriptor import cuda_target
+
+    return dispatcher._cache.load_overload(signature, cuda_target.target_context)
 
 
 def llvm_module_in_context(context, llvm_ir: str):

@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import _numba
+from . import _numba, kernel_cache
 from .arrays import FixedView, as_kernel_array, resolve_stream, with_leading_axis
 from .backend import TARGET
 from .kernels.params import Array
@@ -151,6 +151,8 @@ class KernelLaunch:
             raise TypeError(f"{len(self.scalars)} scalars for the parameters {self.params}")
         self._direct = None  # the numba-cuda fast path, built after the first launch
         self._direct_failed = TARGET.name != "cuda"
+        if TARGET.name == "cuda":  # load what an earlier process compiled, keep what this one does
+            kernel_cache.use_disk_cache(kernel)
 
     @property
     def direct(self) -> bool:

@@ -6,6 +6,7 @@ and read its JSON, which names the world size it saw: a launcher/MPI-library
 mismatch that silently runs N singletons fails here.
 """
 
+import importlib.util
 import json
 import os
 import sys
@@ -55,7 +56,36 @@ def test_main_job_is_exact_for_each_world(mpiexec, tmp_path, n, extra):
     assert result["exact"] is True
     assert result["transport"].startswith("none" if n == 1 else "host")
     assert set(result["stages"]) == {"pack", "all_gather", "merge", "total"}
-    assert "EXACT" in output and "median us" in output
+    assert all(set(s) == {"min_us", "median_us", "p90_us", "max_us"}
+               for s in result["stages"].values())
+    assert output.rstrip().splitlines()[-1].startswith("EXACT")
+    check_self_describing_json(result, n, iters=1)
+
+
+def check_self_describing_json(result, world, *, iters):
+    """What a reader of the JSON needs: versions, where ranks ran, how, raw figures."""
+    import numba_cp
+
+    assert result["format"] == "numba_cp-exchange/2"
+    assert result["numba_cp"] == result["versions"]["numba_cp"] == numba_cp.__version__
+    assert {"python", "numba", "numpy", "mpi4py"} <= set(result["versions"])
+    assert result["backend"] == "sim" and result["simulator"] is True
+    assert result["mpi"]["library"] and "\x00" not in result["mpi"]["library_version"]
+    assert [r["rank"] for r in result["ranks"]] == list(range(world))
+    assert result["hosts"] and all(r["host"] in result["hosts"] for r in result["ranks"])
+    assert result["command"][1:3] == [str(JOB), "--heads"] and "--json" in result["command"]
+    assert result["iters"] == iters and "slowest rank" in result["aggregation"]
+    for run in result["runs"]:
+        for stage, per_rank in run["per_rank_us"].items():
+            assert stage in run["stages"]
+            assert np.asarray(per_rank).shape == (world, iters), stage
+            slowest = np.asarray(per_rank).max(axis=0)
+            assert run["stages"][stage]["max_us"] == pytest.approx(slowest.max(), abs=1e-3)
+        payload = run["all_gather"]
+        c = run["config"]
+        assert payload["bytes_sent_per_rank"] == c["heads"] * run["tokens"] * c["topk"] * 8
+        assert payload["bytes_received_per_rank"] == world * payload["bytes_sent_per_rank"]
+        assert (payload["algbw_GBps"] is None) == (world == 1)
 
 
 @pytest.mark.mpi
@@ -93,13 +123,18 @@ def test_a_failing_rank_ends_the_job(mpiexec):
 
 
 @pytest.mark.mpi
-def test_sweep_writes_every_context(mpiexec, tmp_path):
-    out = tmp_path / "sweep.json"
-    status, output = job(mpiexec, 2, *SMALL, "--sweep-context", "2K,4K", "--json", str(out))
+def test_sweep_writes_every_context_and_its_plot(mpiexec, tmp_path):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
+    status, output = job(mpiexec, 2, *SMALL, "--sweep-context", "2K,4K", "--json", str(out),
+                         *plot)
     assert status == 0, output[-4000:]
-    runs = json.loads(out.read_text())["runs"]
-    assert [r["context"] for r in runs] == [2048, 4096]
+    result = json.loads(out.read_text())
+    assert [r["context"] for r in result["runs"]] == [2048, 4096]
     assert "[2/2] context 4096" in output
+    check_self_describing_json(result, 2, iters=1)
+    if plot:  # without matplotlib, --plot fails before the run (tests/test_main_job.py)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # -- the plan itself, in one process ---------------------------------------------------
@@ -230,11 +265,14 @@ def test_captured_exchange_replays_new_inputs_in_place():
 @pytest.mark.parametrize("n", [2, 3])
 def test_graph_replay_through_mpi_gather_is_exact(mpiexec, tmp_path, n):
     out = tmp_path / "graph.json"
-    status, output = job(mpiexec, n, *SMALL, "--graph", "--sparse-table", "--heads", "1",
-                         "--json", str(out))
+    status, output = job(mpiexec, n, *SMALL, "--graph", "--replays", "1", "--sparse-table",
+                         "--heads", "1", "--json", str(out))
     assert status == 0, output[-4000:]
     result = json.loads(out.read_text())
-    assert result["exact"] is True and "graph_replay" in result["stages"]
+    assert result["exact"] is True
+    assert {"graph_replay", "graph_replay_back_to_back"} <= set(result["stages"])
+    assert result["replays"] == 1
+    assert "replay, 1 per iteration" in output and "replay, 1 back to back" in output
 
 
 def test_closing_the_plan_stops_its_captured_exchanges():
