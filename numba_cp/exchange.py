@@ -29,13 +29,15 @@ import numpy as np
 from . import validate
 from .arrays import device_copy
 from .backend import TARGET
-from .comm import (agree, barrier, checked_request, choose_transport, describe_problem,
+from .comm import (LeaderAllGather, agree, barrier, checked_request, choose_transport,
+                   describe_problem,
                    takes_device_arrays)
 from .errors import IPCTimeoutError
 from .launcher import call_signature
 from .constants import MAX_GLOBAL_BLOCKS, MAX_PAGE_STRIDE, MAX_PINNED, MAX_TOPK, PAGES
 from .kernels.ipc import PEER_SLOTS
-from .ops import (check_local_topk_keys, check_merge_topk_keys, choose_method,
+from .nodes import node_layout, sizes_from_env
+from .ops import (check_local_topk_keys, check_merge_topk_keys, choose_method, merge_keys,
                   local_topk_keys, local_topk_keys_to_peers, merge_delivered_keys,
                   merge_topk_keys)
 
@@ -67,6 +69,9 @@ class ExchangeConfig:
     sparse_table: bool = False  # also emit the paged sparse block table
     block_page_stride: int | None = None
     merge: str = "all"  # "all" heads on every rank, or "owned": this rank's slice
+    # "flat": one all-gather over every rank; "node": gather and merge inside each node,
+    # then gather the nodes' keys (SPEC.md, "The two-level exchange")
+    hierarchy: str = "flat"
 
     def __post_init__(self):
         for name in ("heads", "max_tokens", "world", "query_len"):
@@ -85,6 +90,9 @@ class ExchangeConfig:
         if self.merge not in ("all", "owned"):
             raise ValueError(f"ExchangeConfig.merge must be 'all' or 'owned', "
                              f"got {self.merge!r}")
+        if self.hierarchy not in ("flat", "node"):
+            raise ValueError(f"ExchangeConfig.hierarchy must be 'flat' or 'node', "
+                             f"got {self.hierarchy!r}")
         if self.max_tokens % self.query_len:
             raise ValueError(f"ExchangeConfig.max_tokens ({self.max_tokens}) must be a "
                              f"multiple of query_len ({self.query_len})")
@@ -146,6 +154,8 @@ class CandidateExchange:
             values = dataclasses.asdict(config)  # its fields' types are checked: 1.0 is no 1
             values.update(transport=checked_request(transport, device), fused=fused,
                           method=method, threads=threads, sort_limit=sort_limit)
+            if config.hierarchy == "node":  # NUMBA_CP_NODES must say the same everywhere
+                values.update(nodes=sizes_from_env(config.world))
         except Exception as exc:
             problem = describe_problem(exc)
         agree(comm, "CandidateExchange", problem=problem, values=values)
@@ -162,22 +172,34 @@ class CandidateExchange:
                       else owned_heads(c.heads, c.world, self.rank))
         per_shard, merged = c.shard_keys, len(self.heads)
         self._device_payload = device
-        self.transport = choose_transport(comm, device=self._device_payload, force=transport)
+        self._levels = None
+        if c.hierarchy == "node":
+            # The transport serves the ranks of this node; the nodes' keys then cross
+            # over MPI.
+            self._levels = _NodeLevels(self, values["nodes"], transport)
+            self.transport = self._levels.transport
+        else:
+            self.transport = choose_transport(comm, device=device, force=transport)
         # The same on every rank: the transport was chosen collectively.
         self.fused, why_not = self._fusion(fused)
         if fused and not self.fused:
+            if self._levels is not None:
+                self._levels.close()
             self._control.Free()
             raise ValueError(f"fused=True, but {why_not}")
-        if c.world > 1:  # one transport, sized for max_tokens, serves every token count
+        if c.world > 1 and self._levels is None:  # sized for max_tokens, serves every count
             self.transport.setup((c.heads, c.max_tokens, per_shard), np.int64)
         self._delivery = self.transport.delivery() if self.fused else None
         # Flat storage: the first `tokens` rows of every buffer form one contiguous
         # [heads, tokens, ...] block, so calls with fewer tokens keep SPEC's layout.
         place = self._place
-        self._recv = place(np.zeros(c.world * c.heads * c.max_tokens * per_shard, np.int64))
+        # recv: every rank's keys, or with two levels every node's [nodes, heads, tokens, topk]
+        gathered = (c.world * per_shard if self._levels is None else
+                    self._levels.layout.nodes * c.topk)
+        self._recv = place(np.zeros(gathered * c.heads * c.max_tokens, np.int64))
         # With one rank the shard's keys are the gathered keys: pack writes straight
         # into recv[0] and nothing moves.
-        self._send = (self._recv if c.world == 1 else
+        self._send = (self._recv if c.world == 1 and self._levels is None else
                       place(np.zeros(c.heads * c.max_tokens * per_shard, np.int64)))
         self._topk_idx = place(np.full(merged * c.max_tokens * c.topk, -1, np.int32))
         self._sbt = self._ctx = None
@@ -194,6 +216,8 @@ class CandidateExchange:
         c, t = self.config, self.transport
         if requested is False:
             return False, "fused=False"
+        if self._levels is not None:
+            return False, "the two-level exchange gathers in separate steps"
         if c.world == 1:
             return False, "world 1 needs no gather"
         if not t.delivers:
@@ -215,8 +239,11 @@ class CandidateExchange:
                 raise ValueError(f"tokens (scores.shape[1]) must be a multiple of query_len "
                                  f"({c.query_len}) in [0, {c.max_tokens}], got {tokens}")
             send = self._send[:c.heads * tokens * per_shard].reshape(c.heads, tokens, per_shard)
-            recv = self._recv[:c.world * c.heads * tokens * per_shard].reshape(
-                c.world, c.heads, tokens, per_shard)
+            ranks, keys = c.world, per_shard
+            if self._levels is not None:  # the nodes' merged keys
+                ranks, keys = self._levels.layout.nodes, c.topk
+            recv = self._recv[:ranks * c.heads * tokens * keys].reshape(
+                ranks, c.heads, tokens, keys)
             idx = self._topk_idx[:merged * tokens * c.topk].reshape(merged, tokens, c.topk)
             sbt = ctx = None
             if c.sparse_table:
@@ -275,23 +302,30 @@ class CandidateExchange:
         args, kwargs = self._pack_arguments(scores, seq_lens, self._tokens_of(scores))
         return local_topk_keys(*args, stream=stream, **kwargs)
 
-    def all_gather(self, tokens: int, *, stream=None):
-        """Every rank's keys -> the gathered buffer ``[world, heads, tokens, per_shard]``.
+    def all_gather(self, tokens: int, *, seq_lens=None, stream=None):
+        """Every rank's keys -> the gathered buffer ``[world, heads, tokens, per_shard]``;
+        with ``hierarchy="node"`` every node's merged keys, ``[nodes, heads, tokens,
+        topk]`` (that needs ``seq_lens``: the node's merge pins with the rows' windows).
 
         Collective: every rank must call it with the same ``tokens`` (the first
         call with each ``tokens`` checks that on every rank).
         """
         self._refuse_if_failed()
-        return self._all_gather(tokens, stream)
+        return self._all_gather(tokens, stream, seq_lens)
 
-    def _all_gather(self, tokens, stream):
+    def _all_gather(self, tokens, stream, seq_lens=None):
         views = self._views_for(tokens)
         send, recv = views.send, views.recv
-        if self.config.world == 1:
+        if self.config.world == 1 and self._levels is None:
             return recv  # send is recv[0]
         if ("tokens", tokens) not in self._agreed:
             agree(self._control, "CandidateExchange.all_gather", values={"tokens": tokens})
             self._agreed.add(("tokens", tokens))
+        if self._levels is not None:
+            if seq_lens is None:
+                raise ValueError("seq_lens is required: a two-level gather merges inside "
+                                 "each node (all_gather(tokens, seq_lens=...))")
+            return self._levels.all_gather(send, recv, seq_lens, stream)
         return self.transport.all_gather(send, recv, stream=stream)
 
     def merge(self, seq_lens, tokens: int, *, attention_block_table=None, stream=None):
@@ -345,7 +379,7 @@ class CandidateExchange:
             return self._exchange_delivered(scores, seq_lens, attention_block_table, stream)
         self._pack(scores, seq_lens, stream)
         tokens = scores.shape[1]
-        self._all_gather(tokens, stream)
+        self._all_gather(tokens, stream, seq_lens)
         return self._merge(seq_lens, tokens, attention_block_table, stream)
 
     def _agree_on_call(self, scores, seq_lens, attention_block_table):
@@ -399,9 +433,14 @@ class CandidateExchange:
             if collective and self.transport.is_setup:
                 barrier(control, "CandidateExchange.close")
         finally:
-            self.transport.teardown(collective=False)
-            self._views.clear()
-            control.Free()
+            try:
+                if self._levels is not None:
+                    self._levels.close()
+                else:
+                    self.transport.teardown(collective=False)
+            finally:
+                self._views.clear()
+                control.Free()
 
     def __enter__(self):
         return self
@@ -411,6 +450,8 @@ class CandidateExchange:
         return False
 
     def describe(self) -> str:
+        if self._levels is not None:
+            return self._levels.describe()
         if self.config.world == 1:
             return "none (world 1: the shard's keys are the gathered keys)"
         t = self.transport
@@ -420,6 +461,8 @@ class CandidateExchange:
 
     @property
     def gather_is_capturable(self) -> bool:
+        if self._levels is not None:
+            return False  # the nodes' keys cross over MPI
         return self.config.world == 1 or self.transport.capturable
 
     def capture(self, scores, seq_lens, *, attention_block_table=None, stream=None):
@@ -444,7 +487,7 @@ class CandidateExchange:
             self.pack(scores, seq_lens, stream=s)
 
         def gather(s):
-            self.all_gather(tokens, stream=s)
+            self.all_gather(tokens, seq_lens=seq_lens, stream=s)
 
         def merge(s):
             return self.merge(seq_lens, tokens, attention_block_table=attention_block_table,
@@ -466,6 +509,61 @@ class CandidateExchange:
                                     keep=(scores, seq_lens, attention_block_table))
         self._captured.append(captured)
         return captured
+
+
+class _NodeLevels:
+    """The two-level exchange's gather: inside each node, then across nodes.
+
+    The plan's transport gathers the shard keys of this node's ranks, one merge
+    keeps the node's ``topk`` keys per ``(head, row)`` (:func:`~numba_cp.ops.merge_keys`),
+    and the nodes' leaders send those over one MPI all-gather on the whole
+    communicator (:class:`~numba_cp.comm.LeaderAllGather`). Every rank of a node
+    holds the same node keys, so every rank then merges every node's keys.
+    """
+
+    def __init__(self, plan, sizes, transport):
+        c, comm = plan.config, plan.comm
+        self.plan = plan
+        self.layout = node_layout(comm, sizes)
+        node = self.layout.node_of[plan.rank]
+        self.node_comm = comm.Split(node, plan.rank)
+        self.transport = choose_transport(self.node_comm, device=plan._device_payload,
+                                          force=transport)
+        self.transport.setup((c.heads, c.max_tokens, c.shard_keys), np.int64)
+        ranks = self.node_comm.Get_size()
+        place = plan._place
+        self._node_recv = place(np.zeros(ranks * c.heads * c.max_tokens * c.shard_keys,
+                                         np.int64))
+        self._node_keys = place(np.zeros(c.heads * c.max_tokens * c.topk, np.int64))
+        self.across = LeaderAllGather(comm, self.layout.leaders,
+                                      c.heads * c.max_tokens * c.topk * 8,
+                                      device=plan._device_payload)
+
+    def all_gather(self, send, recv, seq_lens, stream):
+        c = self.plan.config
+        heads, tokens, per_shard = send.shape
+        ranks = self.node_comm.Get_size()
+        node_recv = self._node_recv[:ranks * heads * tokens * per_shard].reshape(
+            ranks, heads, tokens, per_shard)
+        node_keys = self._node_keys[:heads * tokens * c.topk].reshape(heads, tokens, c.topk)
+        self.transport.all_gather(send, node_recv, stream=stream)
+        merge_keys(node_recv, seq_lens, topk=c.topk, query_len=c.query_len,
+                   init_blocks=c.init_blocks, local_blocks=c.local_blocks, out=node_keys,
+                   stream=stream, **self.plan.launch)
+        return self.across.all_gather(node_keys, recv, stream=stream)
+
+    def describe(self) -> str:
+        t = self.transport
+        reason = f" ({t.reason})" if getattr(t, "reason", "") else ""
+        sizes = ",".join(map(str, self.layout.sizes()))
+        return (f"two-level: {self.layout.nodes} node(s) of {sizes} rank(s); inside a node "
+                f"{t.name}{reason}; across nodes the leaders' MPI all-gather")
+
+    def close(self):
+        try:
+            self.transport.teardown(collective=False)
+        finally:
+            self.node_comm.Free()
 
 
 class _Views(NamedTuple):

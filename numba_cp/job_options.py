@@ -47,6 +47,8 @@ ENVIRONMENT = (
     ("NUMBA_CP_IPC_WAIT", "merge | kernel: where the fused IPC exchange waits for its peers "
                           "(default: in the merge when every rank has a GPU of its own, else "
                           "in one small kernel)"),
+    ("NUMBA_CP_NODES", "N or sizes like 3,1,4: pretend nodes for --hierarchy node (default: "
+                       "the ranks that share memory)"),
     ("NUMBA_CP_KERNEL_CACHE", "0: compile kernels in every process; a folder: keep compiled "
                               "kernels there (default ~/.cache/numba_cp; CUDA only)"),
     ("NUMBA_CP_COMPILE_ONLY", "1: load a GPU target without a GPU (compile checks only)"),
@@ -171,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge every head on every rank, or only this rank's slice of heads")
     p.add_argument("--sparse-table", action="store_true",
                    help="also emit the paged sparse block table (checked against the oracle)")
+    p.add_argument("--hierarchy", choices=("flat", "node"), default="flat",
+                   help="flat: one all-gather over every rank; node: gather and merge inside "
+                        "each node, then gather the nodes' keys (NUMBA_CP_NODES pretends)")
     p.add_argument("--transport", choices=TRANSPORT_CHOICES, default=None,
                    help="force the all-gather transport (default: the best for this machine)")
     p.add_argument("--graph", action="store_true",
@@ -297,6 +302,13 @@ def check_with_world(args, world: int, contexts_config) -> None:
     if args.fail_rank is not None and args.fail_rank >= world:
         raise OptionError(f"argument --fail-rank: {args.fail_rank} is not a rank of this "
                           f"world of {world}")
+    if args.hierarchy == "node":
+        from .nodes import sizes_from_env
+
+        try:
+            sizes_from_env(world)
+        except ValueError as exc:
+            raise OptionError(str(exc)) from None
     for context in args.contexts:
         try:
             contexts_config(context)

@@ -173,7 +173,11 @@ def format_timings(run: dict, *, iters: int, warmup: int, replays: int | None,
                         "(with a device-side gather: the device's time per exchange).", "  ")
     payload = run["all_gather"]
     c = run["config"]
-    if c["world"] == 1:
+    if c.get("hierarchy") == "node":
+        lines += _prose("all_gather: two levels, so its time covers the gather inside each "
+                        "node, the node's merge into keys and the gather of the nodes' keys "
+                        "(no single payload or bandwidth to report).")
+    elif c["world"] == 1:
         lines.append("all_gather: none at world 1 (the shard's keys are the gathered keys)")
     else:
         keys = c["topk"] if c["per_shard"] is None else c["per_shard"]

@@ -63,7 +63,8 @@ def exchange_config(args, world: int, context: int):
     return ExchangeConfig(heads=heads, max_tokens=tokens, topk=args.topk, world=world,
                           global_blocks=blocks, init_blocks=args.init_blocks,
                           local_blocks=args.local_blocks, query_len=args.query_len,
-                          sparse_table=args.sparse_table, merge=args.merge)
+                          sparse_table=args.sparse_table, merge=args.merge,
+                          hierarchy=args.hierarchy)
 
 
 def bind_local_device(comm, MPI) -> str:
@@ -143,7 +144,7 @@ def run_once(comm, args, work, config, first: bool):
             plan.pack(shard, seq_lens)
             synchronize()
             t1 = time.perf_counter()
-            plan.all_gather(work.tokens)
+            plan.all_gather(work.tokens, seq_lens=seq_lens)
             synchronize()
             t2 = time.perf_counter()
             result = plan.merge(seq_lens, work.tokens, attention_block_table=table)
@@ -274,7 +275,7 @@ def print_run(run, args, index) -> None:
     print(f"shape: heads={c['heads']} tokens={c['max_tokens']} "
           f"(batch {c['max_tokens'] // c['query_len']} x query_len {c['query_len']}) "
           f"context={run['context']} global_blocks={c['global_blocks']} topk={c['topk']} "
-          f"merge={c['merge']} sparse_table={c['sparse_table']}")
+          f"merge={c['merge']} sparse_table={c['sparse_table']} hierarchy={c['hierarchy']}")
     for line in report.format_timings(run, iters=args.iters, warmup=args.warmup,
                                       replays=args.replays if args.graph else None,
                                       simulator=SIM, explain=index == 0):

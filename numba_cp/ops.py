@@ -19,8 +19,8 @@ from .kernels import radix, warp
 from .launcher import KernelLaunch, LaunchCache
 
 __all__ = ["local_topk_keys", "merge_topk_keys", "check_local_topk_keys",
-           "check_merge_topk_keys", "METHODS", "choose_method", "local_topk_keys_to_peers",
-           "merge_delivered_keys"]
+           "check_merge_topk_keys", "METHODS", "choose_method", "merge_keys",
+           "local_topk_keys_to_peers", "merge_delivered_keys"]
 
 # "warp": warps sort in registers (numba_cp.kernels.warp), for topk up to
 # lanes * MAX_LANE_SLOTS; "radix": block-wide radix select + shared-memory sort
@@ -387,6 +387,63 @@ def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride,
     return _merge_launch_for(keys_a, keys_a.shape[0] if keys_a.ndim == 4 else 0, arrays[1:],
                              [], [], query_len, init_blocks, local_blocks, block_page_stride,
                              method, threads, sort_limit)
+
+
+def merge_keys(keys, seq_lens, *, topk, query_len, init_blocks, local_blocks, out,
+               stream=None, method="auto", threads=None, sort_limit=None):
+    """Merge gathered keys into keys again: the first merge of a two-level exchange.
+
+    Args:
+        keys: int64 ``[ranks, heads, tokens, per_shard]``, gathered shard keys
+            (or node keys); any strides.
+        out: int64 ``[heads, tokens, >= topk]``; ``out[h, row, :topk]`` receives
+            the row's ``topk`` largest keys, pinned with the row's window, in
+            descending order, padded with 0: what :func:`local_topk_keys` would
+            have packed from all of those ranks' columns together.
+        Others as :func:`merge_topk_keys` and :func:`local_topk_keys`.
+
+    Returns:
+        ``out``.
+    """
+    arrays = (keys, out, seq_lens)
+    launch, pointers = _MERGE_LAUNCHES.launch_for(
+        arrays, (topk, query_len, init_blocks, local_blocks, method, threads, sort_limit),
+        _plan_merge_keys)
+    launch(arrays, stream, pointers)
+    return out
+
+
+def _plan_merge_keys(arrays, topk, query_len, init_blocks, local_blocks, method, threads,
+                     sort_limit):
+    topk = validate.integer("topk", topk, low=1, high=MAX_TOPK + 1)
+    query_len = validate.integer("query_len", query_len, low=1)
+    init_blocks = validate.integer("init_blocks", init_blocks, low=0, high=MAX_PINNED + 1)
+    local_blocks = validate.integer("local_blocks", local_blocks, low=0, high=MAX_PINNED + 1)
+    keys_a, out_a, seq_lens_a = (as_kernel_array(a, name) for a, name in
+                                 zip(arrays, ("keys", "out", "seq_lens")))
+    for array in (keys_a, out_a):
+        validate.dtype(array, "int64")
+    validate.ndim(keys_a, 4)
+    validate.ndim(out_a, 3)
+    validate.writable_output(out_a)
+    ranks, heads, tokens, per_shard = keys_a.shape
+    validate.dim_at_least(keys_a, 0, 1, "ranks")
+    validate.dim(out_a, 0, heads, "heads, as in keys")
+    validate.dim(out_a, 1, tokens, "tokens, as in keys")
+    validate.dim_at_least(out_a, 2, topk, "topk")
+    validate.rows(tokens, query_len, seq_lens_a)
+    candidates = ranks * per_shard
+    if choose_method(method, topk) == "warp":
+        shape = _warp_shape(topk, candidates, threads, sort_limit)
+        family, threads = warp, shape[2] * TARGET.lanes
+    else:
+        threads, capacity = _radix_shape(topk, candidates, threads, sort_limit, merge=True)
+        family, shape = radix, (capacity,)
+    if not (heads and tokens):
+        return _NoWork()
+    return KernelLaunch(family.merge_keys_kernel(*shape), (tokens, heads), threads,
+                        [topk, query_len, init_blocks, local_blocks],
+                        footprint=validate.Footprint([keys_a, out_a, seq_lens_a], {"out"}))
 
 
 def merge_delivered_keys(keys, topk_idx, seq_lens, *, ctrl, flags, errors, timeout_ns,

@@ -102,6 +102,21 @@ def _merge_row(candidates, topk, init_blocks, local_start):
     return _top(repacked, topk)
 
 
+def merge_keys(keys, seq_lens, *, topk, query_len, init_blocks, local_blocks):
+    """Merge gathered keys ``[world, heads, tokens, per_shard]`` into keys again:
+    int64 ``[heads, tokens, topk]``, each row's ``topk`` largest keys pinned with
+    its window, in descending order, padded with 0 (SPEC.md, two-level exchange)."""
+    keys = np.asarray(keys, dtype=np.int64)
+    _, heads, tokens, _ = keys.shape
+    out = np.zeros((heads, tokens, topk), dtype=np.int64)
+    for row, request, t in _rows(tokens, query_len):
+        _, _, local_start = row_window(seq_lens[request], t, query_len=query_len,
+                                       local_blocks=local_blocks)
+        for h in range(heads):
+            out[h, row] = _merge_row(keys[:, h, row, :].ravel(), topk, init_blocks, local_start)
+    return out
+
+
 def merge_topk_keys(keys, seq_lens, *, topk, query_len, init_blocks, local_blocks,
                     attention_block_table=None, block_page_stride=None):
     """Merge gathered keys ``[world, heads, tokens, per_shard]`` into ``topk_idx``.

@@ -159,3 +159,56 @@ def test_sorted_gather_fast_path_and_its_check(swap):
     for launch in (dict(method="warp"), dict(method="warp", sort_limit=1),
                    dict(method="warp", sort_limit=64)):
         run_merge(keys, case, **launch)
+
+
+# ---------------------------------------------------------------------------
+# merge_keys: the two-level exchange's first merge keeps keys
+
+
+def run_merge_keys(keys, case, topk, **launch):
+    out = to_device(np.full((case.heads, case.tokens, topk + 2), SENTINEL, np.int64))
+    result = numba_cp.ops.merge_keys(to_device(keys), to_device(case.seq_lens), topk=topk,
+                                     out=out, **launch, **case.window)
+    assert result is out
+    got = to_host(out)
+    np.testing.assert_array_equal(
+        got[:, :, :topk], ref.merge_keys(keys, case.seq_lens, topk=topk, **case.window))
+    assert (got[:, :, topk:] == SENTINEL).all(), "keys written past topk"
+
+
+@settings(max_examples=40)
+@given(case=cases(), data=st.data())
+def test_merge_keys_matches_oracle(case, data):
+    per_shard = data.draw(st.integers(1, case.topk + 2), label="per_shard")
+    run_merge_keys(gathered_keys(case, per_shard), case, case.topk,
+                   **data.draw(launches(), label="launch"))
+
+
+@settings(max_examples=20)
+@given(case=cases(max_world=4), seed=st.integers(0, 2**32 - 1), launch=launches())
+def test_merge_keys_of_garbage_matches_oracle(case, seed, launch):
+    keys = garbage_keys(np.random.default_rng(seed), (case.world, case.heads, case.tokens, 4))
+    run_merge_keys(keys, case, case.topk, **launch)
+
+
+@settings(max_examples=30)
+@given(case=cases(min_world=2), data=st.data())
+def test_two_merges_select_what_one_does(case, data):
+    """Any grouping of the ranks into nodes: merging each node's keys into keys, then
+    merging the nodes', gives the one merge's topk_idx (SPEC.md, two-level exchange)."""
+    keys = gathered_keys(case, case.topk)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(case.world - 1, 1)),
+                                    max_size=case.world - 1), label="node cuts"))
+    groups = [g for g in np.split(np.arange(case.world), cuts) if g.size]
+    launch = data.draw(launches(), label="launch")
+    node_keys = []
+    for group in groups:
+        out = to_device(np.zeros((case.heads, case.tokens, case.topk), np.int64))
+        numba_cp.ops.merge_keys(to_device(keys[group]), to_device(case.seq_lens),
+                                topk=case.topk, out=out, **launch, **case.window)
+        node_keys.append(to_host(out))
+    run_merge(np.stack(node_keys), case, **launch)  # asserts against the one-level oracle
+    np.testing.assert_array_equal(
+        ref.merge_topk_keys(np.stack(node_keys), case.seq_lens, topk=case.topk,
+                            **case.window),
+        ref.merge_topk_keys(keys, case.seq_lens, topk=case.topk, **case.window))

@@ -21,10 +21,11 @@ from .choose import (TRANSPORT_ENV, Probes, checked_request, choose_transport, i
                      requested_transport, takes_device_arrays)
 from .gpu_aware import GPU_AWARE_ENV, gpu_aware_mpi
 from .ipc import IPCAllGather
-from .mpi import DeviceMPI, HostMPI, StagedMPI
+from .mpi import DeviceMPI, HostMPI, LeaderAllGather, StagedMPI
 from .nccl import NCCLAllGather
 
 __all__ = ["Transport", "HostMPI", "DeviceMPI", "StagedMPI", "IPCAllGather", "NCCLAllGather",
+           "LeaderAllGather",
            "TRANSPORTS", "register_transport", "agree", "barrier", "describe_problem",
            "collective_timeout", "choose_transport", "checked_request", "Probes",
            "ipc_verdict", "requested_transport", "takes_device_arrays", "gpu_aware_mpi",

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import device_view, resolve_stream, synchronize
+from ..arrays import as_kernel_array, device_view, resolve_stream, synchronize
 from ..backend import TARGET, cuda
 from .base import Transport, mpi, register_transport, wait_for
 
-__all__ = ["HostMPI", "DeviceMPI", "StagedMPI"]
+__all__ = ["HostMPI", "DeviceMPI", "StagedMPI", "LeaderAllGather"]
 
 
 def _allgather_bytes(comm, send, recv, name):
@@ -119,4 +119,74 @@ class StagedMPI(Transport):
             recv_view.copy_to_device(recv_host, stream=stream)
             self._copied.record(stream)
             self._pending = True
+        return recv
+
+
+class LeaderAllGather:
+    """Every group's payload, from its leader, to every rank: the second level of a
+    two-level exchange (one payload per node instead of one per rank).
+
+    One ``Iallgatherv`` on the whole communicator in which only the leaders
+    send (so groups of any sizes work, and a rank waits at most the collective
+    timeout); on a GPU through pinned host buffers allocated once, as
+    :class:`StagedMPI` does; host arrays (``device=False``) go to MPI as they are.
+    Not capturable: it blocks the host on MPI.
+
+    Args:
+        comm: the whole communicator.
+        leaders: the world rank of each group's leader, in group order.
+        nbytes: the most bytes one leader sends.
+        device: whether ``send`` and ``recv`` are device arrays.
+    """
+
+    name = "leaders-mpi"
+
+    def __init__(self, comm, leaders, nbytes: int, *, device: bool):
+        self.comm = comm
+        self.leaders = [int(r) for r in leaders]
+        self.groups = len(self.leaders)
+        self.nbytes = int(nbytes)
+        self.device = bool(device)
+        self.is_leader = comm.Get_rank() in self.leaders
+        allocate = cuda.pinned_array if (device and not TARGET.simulator and nbytes) else np.empty
+        self._send_host = allocate(self.nbytes, dtype=np.uint8)
+        self._recv_host = allocate(self.nbytes * self.groups, dtype=np.uint8)
+
+    def all_gather(self, send, recv, stream=None):
+        """``send`` (C-contiguous, at most ``nbytes``; read on leaders only) -> ``recv``
+        (C-contiguous, ``groups`` times ``send``'s bytes, group order)."""
+        nbytes = int(np.prod(send.shape, dtype=np.int64)) * np.dtype(send.dtype).itemsize
+        if nbytes > self.nbytes:
+            raise ValueError(f"send: {nbytes} bytes, more than the {self.nbytes} this "
+                             "gather was set up for")
+        staged = self.device and not TARGET.simulator
+        stream = resolve_stream(stream)
+        if staged:
+            send_view = as_kernel_array(send, "send").arg
+            recv_view = as_kernel_array(recv, "recv").arg
+            send_host = self._send_host[:nbytes].view(send_view.dtype).reshape(send_view.shape)
+            recv_host = self._recv_host[:self.groups * nbytes].view(recv_view.dtype).reshape(
+                recv_view.shape)
+            if self.is_leader and nbytes:
+                send_view.copy_to_host(send_host, stream=stream)
+            synchronize(stream)
+            send_bytes, recv_bytes = self._send_host, self._recv_host
+        else:
+            send_bytes = np.asarray(send).reshape(-1).view(np.uint8)
+            recv_bytes = np.asarray(recv).reshape(-1).view(np.uint8)
+            synchronize(stream)
+        counts = [0] * self.comm.Get_size()
+        displacements = [0] * self.comm.Get_size()
+        for group, leader in enumerate(self.leaders):
+            counts[leader] = nbytes
+            displacements[leader] = group * nbytes
+        byte = mpi().BYTE
+        mine = nbytes if self.is_leader else 0
+        wait_for(self.comm, self.comm.Iallgatherv(
+            [send_bytes[:mine], mine, byte],
+            [recv_bytes[:self.groups * nbytes], (counts, displacements), byte]),
+            "two-level exchange: the nodes' keys")
+        if staged and nbytes:
+            recv_view.copy_to_device(recv_host, stream=stream)
+            synchronize(stream)  # the pinned buffer is reused by the next call
         return recv

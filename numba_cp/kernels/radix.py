@@ -30,13 +30,14 @@ from ..constants import KEY_VALID_BIT
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
 from .params import declare
 from .primitives import WARP_LANES, shared_atomic_add
-from .rows import (MERGE_DELIVERED_PARAMS, MERGE_DELIVERED_TABLE_PARAMS, MERGE_PARAMS,
-                   MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
+from .rows import (MERGE_DELIVERED_PARAMS, MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
+                   MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
                    gathered_candidate_key, gathered_row, merged_block, shard_candidate_key,
                    shard_row, table_writer)
 
 __all__ = ["make_block_topk", "pack_kernel", "merge_kernel", "merge_table_kernel",
-           "pack_to_peers_kernel", "merge_delivered_kernel", "merge_delivered_table_kernel",
+           "merge_keys_kernel", "pack_to_peers_kernel", "merge_delivered_kernel",
+           "merge_delivered_table_kernel",
            "TABLE_THREADS"]
 
 RADIX_BITS = 8
@@ -330,6 +331,27 @@ def merge_table_kernel(capacity):
                          hist, state)
 
     return merge_topk_ids_and_table
+
+
+@lru_cache(maxsize=None)
+def merge_keys_kernel(capacity):
+    """The two-level exchange's first merge: gathered keys -> the top ``topk`` keys."""
+    block_topk = make_block_topk(gathered_candidate_key, capacity)
+
+    @cuda.jit
+    @declare(*MERGE_KEYS_PARAMS)
+    def merge_topk_keys_to_keys(keys, out, seq_lens, topk, query_len, init_blocks,
+                                local_blocks):
+        sel = cuda.shared.array(capacity, int64)
+        hist = cuda.shared.array(SCRATCH, int32)
+        state = cuda.shared.array(STATE_SLOTS, int64)
+        head, row, _, _, _, count, ctx = gathered_row(keys, 0, keys.shape[0], seq_lens,
+                                                      query_len, init_blocks, local_blocks)
+        block_topk(keys, ctx, count, topk, sel, hist, state)
+        for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
+            out[head, row, j] = sel[j]
+
+    return merge_topk_keys_to_keys
 
 
 @lru_cache(maxsize=None)

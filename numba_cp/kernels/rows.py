@@ -18,7 +18,8 @@ from .keys import causal_len_of, repin_key, score_key, valid_blocks_of
 from .params import INTEGER, Array, scalars
 from .primitives import WARP_LANES, inline_device, lane_value
 
-__all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "PACK_TO_PEERS_PARAMS",
+__all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARAMS",
+           "PACK_TO_PEERS_PARAMS",
            "MERGE_DELIVERED_PARAMS", "MERGE_DELIVERED_TABLE_PARAMS",
            "shard_candidate_key", "gathered_candidate_key", "shard_row", "gathered_row",
            "merged_block", "table_writer"]
@@ -31,6 +32,9 @@ PACK_PARAMS = (Array("scores", "float32", 3), Array("seq_lens", INTEGER, 1),
 MERGE_PARAMS = (Array("keys", "int64", 4), Array("topk_idx", "int32", 3),
                 Array("seq_lens", INTEGER, 1),
                 *scalars("query_len", "init_blocks", "local_blocks"))
+# The two-level exchange's first merge keeps keys: the same inputs, a pack's output.
+MERGE_KEYS_PARAMS = (MERGE_PARAMS[0], Array("out", "int64", 3), MERGE_PARAMS[2],
+                     *scalars("topk", "query_len", "init_blocks", "local_blocks"))
 # The 2-D one-head table layout is launched as [1, ...]: the kernels see 3-D and 2-D.
 MERGE_TABLE_PARAMS = (*MERGE_PARAMS[:3], Array("block_table", "int32", 2),
                       Array("sparse_table", "int32", 3), Array("context_lens", "int32", 2),

@@ -46,13 +46,14 @@ from ..backend import cuda
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
 from .params import declare
 from .primitives import WARP_LANES, inline_device, lane_exchange, lane_read, lane_value
-from .rows import (MERGE_DELIVERED_PARAMS, MERGE_DELIVERED_TABLE_PARAMS, MERGE_PARAMS,
-                   MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
+from .rows import (MERGE_DELIVERED_PARAMS, MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
+                   MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
                    gathered_candidate_key, gathered_row, merged_block, shard_candidate_key,
                    shard_row, table_writer)
 
 __all__ = ["make_warp_topk", "pack_kernel", "merge_kernel", "merge_table_kernel",
-           "pack_to_peers_kernel", "merge_delivered_kernel", "merge_delivered_table_kernel"]
+           "merge_keys_kernel", "pack_to_peers_kernel", "merge_delivered_kernel",
+           "merge_delivered_table_kernel"]
 
 LOG_LANES = WARP_LANES.bit_length() - 1
 
@@ -451,6 +452,33 @@ def merge_table_kernel(run, slots, warps):
                          acc, shared)
 
     return merge_topk_ids_and_table_warp
+
+
+@lru_cache(maxsize=None)
+def merge_keys_kernel(run, slots, warps):
+    """The two-level exchange's first merge: gathered keys -> the top ``topk`` keys."""
+    warp_topk = make_warp_topk(gathered_candidate_key, run, slots, warps, presorted=True)
+    shared_size = warps * run
+
+    @cuda.jit
+    @declare(*MERGE_KEYS_PARAMS)
+    def merge_topk_keys_to_keys_warp(keys, out, seq_lens, topk, query_len, init_blocks,
+                                     local_blocks):
+        v = cuda.local.array(slots, int64)
+        t = cuda.local.array(slots, int64)
+        acc = cuda.local.array(slots, int64)
+        shared = cuda.shared.array(shared_size, int64)
+        head, row, _, _, _, count, ctx = gathered_row(keys, 0, keys.shape[0], seq_lens,
+                                                      query_len, init_blocks, local_blocks)
+        warp_topk(keys, ctx, count, v, t, acc, shared)
+        lane = cuda.threadIdx.x
+        if lane < WARP_LANES:
+            for s in range(slots):
+                e = lane * slots + s
+                if e < topk:
+                    out[head, row, e] = acc[s]
+
+    return merge_topk_keys_to_keys_warp
 
 
 @lru_cache(maxsize=None)

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "mpi_scripts"
 # What the transports read from the environment; every test starts without them.
 ENV_VARS = (TRANSPORT_ENV, GPU_AWARE_ENV, IPC_TIMEOUT_ENV, TIMEOUT_ENV, "NUMBA_CP_IPC_WAIT",
+            "NUMBA_CP_NODES",
             "MPICH_GPU_SUPPORT_ENABLED")
 
 

@@ -91,3 +91,13 @@ def test_a_bad_config_field_on_one_rank_aborts_a_job_run_with_mpi4py(mpiexec, tm
     assert proc.returncode != 0
     assert time.monotonic() - start < 120, "the job was not aborted"
     assert "ExchangeConfig.heads must be an integer, got bool" in proc.stderr + proc.stdout
+
+
+def test_two_level_nodes_must_agree_on_every_rank(mpiexec, tmp_path):
+    out, _ = run(mpiexec, 3, "nodes_mismatch", tmp_path)
+    assert all(t.startswith("RankAgreementError") and "nodes" in t for t in out.values()), out
+    out, _ = run(mpiexec, 2, "nodes_bad_value", tmp_path)
+    assert all(t.startswith("RankAgreementError") and "NUMBA_CP_NODES='0'" in t
+               and "rank 0" in t for t in out.values()), out
+    out, _ = run(mpiexec, 3, "two_levels_exact", tmp_path)  # the same scenario, agreed
+    assert all(t.startswith("ok") for t in out.values()), out

@@ -181,3 +181,34 @@ def test_main_job_ipc_graph_is_exact(mpiexec, tmp_path):
     assert result["world"] == 3 and result["exact"] is True
     assert result["transport"].startswith("ipc (forced")
     assert "graph_replay" in result["stages"]
+
+
+@pytest.mark.parametrize("n, nodes, extra", [
+    (2, "1", []),
+    (2, "2", ["--sparse-table"]),
+    (4, "2", ["--sparse-table", "--merge", "owned", "--heads", "3"]),
+    (4, "3,1", ["--transport", "ipc", "--method", "radix"]),
+    (5, "3", ["--query-len", "1", "--tokens", "2,5,0,4,3"]),
+    (6, "3", ["--topk", "8"]),
+    (8, "1,3,4", ["--sparse-table", "--tokens", "2,6,2"]),
+    (4, "4", ["--tokens", "2,6,2"]),
+], ids=["one-node-2", "two-nodes-2-table", "two-nodes-4-table-owned", "uneven-4-ipc-radix",
+        "uneven-5-query1", "three-nodes-6", "uneven-8-table", "rank-per-node-4"])
+def test_two_level_exchange_is_exact(mpiexec, tmp_path, n, nodes, extra):
+    """hierarchy="node" with pretend nodes (NUMBA_CP_NODES): every call equals the
+    unsharded oracle (as the flat exchange does), uneven nodes and one rank per node
+    included; the plan reports the nodes it used."""
+    tokens = extra[extra.index("--tokens") + 1] if "--tokens" in extra else "2,6,0,4,2"
+    status, lines, output = run_ranks(mpiexec, n, tmp_path / "plan", "plan_check.py",
+                                      "--hierarchy", "node", *extra,
+                                      env={"NUMBA_CP_NODES": nodes})
+    assert status == 0, output[-4000:]
+    sizes = nodes.split(",") if "," in nodes else None
+    for rank, text in lines.items():
+        assert not problems(text), text
+        got = oks(text)
+        assert len(got) == len(tokens.split(",")), text
+        for line, t in zip(got, tokens.split(",")):
+            assert f"tokens={t} two-level:" in line, line
+            if sizes:
+                assert f"{len(sizes)} node(s) of {','.join(sizes)} rank(s)" in line, line

@@ -85,6 +85,26 @@ def ipc_peer_gone():
             time.sleep(1)
 
 
+def nodes_mismatch():
+    """Ranks told different pretend nodes (NUMBA_CP_NODES) for a two-level exchange."""
+    os.environ["NUMBA_CP_NODES"] = "2" if rank == 1 else "1"
+    with CandidateExchange(comm, config(hierarchy="node")) as plan:
+        exact(plan)
+
+
+def nodes_bad_value():
+    os.environ["NUMBA_CP_NODES"] = "0" if rank == 0 else "1"
+    with CandidateExchange(comm, config(hierarchy="node")) as plan:
+        exact(plan)
+
+
+def two_levels_exact():
+    os.environ["NUMBA_CP_NODES"] = "2"
+    with CandidateExchange(comm, config(hierarchy="node")) as plan:
+        exact(plan)
+        exact(plan, tokens=2)
+
+
 def config_type_uncaught():
     """Run under ``python -m mpi4py`` without the handler below: one rank's bad field
     raises before the plan exists, and mpi4py's handler must abort the job."""
@@ -95,7 +115,8 @@ def config_type_uncaught():
 
 SCENARIOS = {f.__name__: f for f in (config_mismatch, config_local_failure, transport_mismatch,
                                       first_call_bad_dtype, later_call_tokens, extra_call,
-                                      ipc_peer_gone)}
+                                      ipc_peer_gone, nodes_mismatch, nodes_bad_value,
+                                      two_levels_exact)}
 
 if __name__ == "__main__" and sys.argv[1] == "config_type_uncaught":
     config_type_uncaught()

@@ -44,7 +44,8 @@ def run(args, comm):
     config = ExchangeConfig(heads=args.heads, max_tokens=args.max_tokens, topk=args.topk,
                             world=world, global_blocks=args.global_blocks, init_blocks=1,
                             local_blocks=1, query_len=args.query_len,
-                            sparse_table=args.sparse_table, merge=args.merge)
+                            sparse_table=args.sparse_table, merge=args.merge,
+                            hierarchy=args.hierarchy)
     window = dict(topk=config.topk, query_len=config.query_len,
                   global_blocks=config.global_blocks, init_blocks=config.init_blocks,
                   local_blocks=config.local_blocks)
@@ -53,8 +54,8 @@ def run(args, comm):
     with CandidateExchange(comm, config, transport=args.transport, fused=fused,
                            method=args.method) as plan:
         transport = plan.transport
-        expected_shape = (None if world == 1 else  # one rank gathers nothing
-                          (config.heads, config.max_tokens, config.shard_keys))
+        expected_shape = (None if world == 1 and args.hierarchy == "flat"  # nothing moves
+                          else (config.heads, config.max_tokens, config.shard_keys))
         if transport.shape != expected_shape:
             failures += 1
             say(rank, f"FAIL transport set up for {transport.shape}, not {expected_shape}")
@@ -80,6 +81,8 @@ def run(args, comm):
                 got = host_copy(plan(device_copy(shard), device_copy(seq_lens)))
                 want = want[plan.heads.start:plan.heads.stop]
             label = f"transport={transport.name} fused={plan.fused} tokens={tokens}"
+            if args.hierarchy != "flat":
+                label += f" {plan.describe().split(';')[0]}"
             if plan.transport is not transport:
                 failures += 1
                 say(rank, f"FAIL {label}: the plan's transport changed")
@@ -101,6 +104,7 @@ def main():
     parser.add_argument("--sparse-table", action="store_true")
     parser.add_argument("--merge", choices=("all", "owned"), default="all")
     parser.add_argument("--method", choices=("auto", "warp", "radix"), default="auto")
+    parser.add_argument("--hierarchy", choices=("flat", "node"), default="flat")
     parser.add_argument("--tokens", default="2,6,0,4,2", help="token counts, in call order")
     parser.add_argument("--max-tokens", type=int, default=6)
     parser.add_argument("--heads", type=int, default=2)
