@@ -16,6 +16,8 @@ device-side gather, two graphs around an MPI gather), and times it. The gathers
 (``--gathers``): ``ipc-fused``, the IPC transport fused into the pack and merge kernels
 (two kernels per exchange); ``ipc``, the same transport as separate launches between
 them; ``staged``, MPI through pinned host buffers; any other transport by name; and
+``two-level``, the two-level exchange (``hierarchy="node"``: inside each node, then the
+nodes' keys over MPI; ``NUMBA_CP_NODES`` pretends nodes on one machine); and
 ``alone``, every rank running the same kernels on its shard as a world of its own (checked
 against the shard's oracle), with nothing exchanged: what ``P`` processes get from the
 GPUs they share, the floor under any exchange among them.
@@ -138,8 +140,11 @@ def run_job(args):
                                 global_blocks=work.global_blocks, sparse_table=shape["table"],
                                 **window)
         for gather in gathers:
-            transport = {"none": None, "ipc-fused": "ipc", "alone": None}.get(gather, gather)
+            transport = {"none": None, "ipc-fused": "ipc", "alone": None,
+                         "two-level": None}.get(gather, gather)
             group, plan_config, expected = comm, config, want
+            if gather == "two-level":  # nodes: shared memory, or NUMBA_CP_NODES
+                plan_config = dataclasses.replace(config, hierarchy="node")
             if gather == "alone":  # this rank's shard as a world of its own: nothing moves
                 group = MPI.COMM_SELF
                 plan_config = dataclasses.replace(config, world=1, global_blocks=shard.shape[2])
