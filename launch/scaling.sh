@@ -6,6 +6,10 @@
 #   WORLDS="2 4" TRANSPORTS="staged ipc" bash launch/scaling.sh
 #   DRY=1 WORLDS="1 2" TRANSPORTS=host bash launch/scaling.sh   CPU dry run (simulator, tiny shapes)
 #
+# The two-level exchange (--hierarchy node) runs for LEVEL_CASES at every world of at
+# least two ranks per node. On one node it pretends LEVEL_NODES nodes (NUMBA_CP_NODES);
+# LEVEL_NODES="" takes the real nodes of a multi-node job.
+#
 # Each step: launch/exchange.py --graph --json, under `timeout`; a failed step is logged
 # and skipped. Then launch/scaling_table.py prints the tables and draws the plots.
 # NVLink multicast stays off for everything started here.
@@ -19,6 +23,8 @@ MPIRUN=${MPIRUN:-mpirun}
 PYTHON=${PYTHON:-python3}
 ITERS=${ITERS:-50}
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
+LEVEL_CASES=${LEVEL_CASES:-"b e"}
+LEVEL_NODES=${LEVEL_NODES-2}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
 
@@ -61,6 +67,18 @@ for world in $WORLDS; do
       run "case-$c-w$world-$transport" "$world" $(case_args "$c") --transport "$transport" \
           --graph $iters
     done
+  done
+done
+
+# The two-level exchange beside the flat runs above (transport "two-level" in the tables).
+forward=""  # Open MPI passes on only the variables -x names
+$MPIRUN --version 2>/dev/null | grep -qi "open mpi" && forward="-x NUMBA_CP_NODES"
+for world in $WORLDS; do
+  if [ -n "$LEVEL_NODES" ] && [ "$world" -lt $((2 * LEVEL_NODES)) ]; then continue; fi
+  for c in $LEVEL_CASES; do
+    NUMBA_CP_NODES="$LEVEL_NODES" MPIRUN="$MPIRUN $forward" \
+      run "case-$c-w$world-two-level" "$world" $(case_args "$c") --hierarchy node \
+          --graph $iters
   done
 done
 
