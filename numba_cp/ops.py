@@ -197,17 +197,36 @@ def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_b
                         footprint=validate.Footprint([scores_a, seq_lens_a, out_a], {"out"}))
 
 
+def _window(query_len, init_blocks, local_blocks):
+    """The row window's scalars, validated (every kernel takes them)."""
+    return (validate.integer("query_len", query_len, low=1),
+            validate.integer("init_blocks", init_blocks, low=0, high=MAX_PINNED + 1),
+            validate.integer("local_blocks", local_blocks, low=0, high=MAX_PINNED + 1))
+
+
+def _merge_shapes(keys_a, out_a, out_dtype, ranks):
+    """Gathered keys ``[ranks, heads, tokens, per_shard]`` and a merge output
+    ``[heads, tokens, ...]`` that agree; returns the keys' shape."""
+    validate.dtype(keys_a, "int64")
+    validate.ndim(keys_a, 4)
+    validate.dtype(out_a, out_dtype)
+    validate.ndim(out_a, 3)
+    validate.writable_output(out_a)
+    validate.dim_at_least(keys_a, 0, 1, ranks)
+    validate.dim(out_a, 0, keys_a.shape[1], "heads, as in keys")
+    validate.dim(out_a, 1, keys_a.shape[2], "tokens, as in keys")
+    return keys_a.shape
+
+
 def _pack_scalars(scores_a, seq_lens_a, topk, rank, world, query_len, global_blocks,
                   init_blocks, local_blocks):
     """Validate the pack's scalars and its inputs; returns the scalars, as the kernels take them."""
     topk = validate.integer("topk", topk, low=1, high=MAX_TOPK + 1)
     world = validate.integer("world", world, low=1)
     rank = validate.integer("rank", rank, low=0, high=world)
-    query_len = validate.integer("query_len", query_len, low=1)
     global_blocks = validate.integer("global_blocks", global_blocks, low=0,
                                      high=MAX_GLOBAL_BLOCKS)
-    init_blocks = validate.integer("init_blocks", init_blocks, low=0, high=MAX_PINNED + 1)
-    local_blocks = validate.integer("local_blocks", local_blocks, low=0, high=MAX_PINNED + 1)
+    query_len, init_blocks, local_blocks = _window(query_len, init_blocks, local_blocks)
     validate.dtype(scores_a, "float32")
     validate.ndim(scores_a, 3)
     validate.rows(scores_a.shape[1], query_len, seq_lens_a)
@@ -416,20 +435,10 @@ def merge_keys(keys, seq_lens, *, topk, query_len, init_blocks, local_blocks, ou
 def _plan_merge_keys(arrays, topk, query_len, init_blocks, local_blocks, method, threads,
                      sort_limit):
     topk = validate.integer("topk", topk, low=1, high=MAX_TOPK + 1)
-    query_len = validate.integer("query_len", query_len, low=1)
-    init_blocks = validate.integer("init_blocks", init_blocks, low=0, high=MAX_PINNED + 1)
-    local_blocks = validate.integer("local_blocks", local_blocks, low=0, high=MAX_PINNED + 1)
+    query_len, init_blocks, local_blocks = _window(query_len, init_blocks, local_blocks)
     keys_a, out_a, seq_lens_a = (as_kernel_array(a, name) for a, name in
                                  zip(arrays, ("keys", "out", "seq_lens")))
-    for array in (keys_a, out_a):
-        validate.dtype(array, "int64")
-    validate.ndim(keys_a, 4)
-    validate.ndim(out_a, 3)
-    validate.writable_output(out_a)
-    ranks, heads, tokens, per_shard = keys_a.shape
-    validate.dim_at_least(keys_a, 0, 1, "ranks")
-    validate.dim(out_a, 0, heads, "heads, as in keys")
-    validate.dim(out_a, 1, tokens, "tokens, as in keys")
+    ranks, heads, tokens, per_shard = _merge_shapes(keys_a, out_a, "int64", "ranks")
     validate.dim_at_least(out_a, 2, topk, "topk")
     validate.rows(tokens, query_len, seq_lens_a)
     candidates = ranks * per_shard
@@ -499,20 +508,10 @@ def _merge_launch_for(keys_a, world, arrays, waits, wait_scalars, query_len, ini
     errors) the delivered kernels, which take them after ``seq_lens``."""
     topk_idx, seq_lens, attention_block_table, sparse_block_table_out, \
         sparse_context_lens_out = arrays
-    query_len = validate.integer("query_len", query_len, low=1)
-    init_blocks = validate.integer("init_blocks", init_blocks, low=0, high=MAX_PINNED + 1)
-    local_blocks = validate.integer("local_blocks", local_blocks, low=0, high=MAX_PINNED + 1)
+    query_len, init_blocks, local_blocks = _window(query_len, init_blocks, local_blocks)
     idx_a = as_kernel_array(topk_idx, "topk_idx")
     seq_lens_a = as_kernel_array(seq_lens, "seq_lens")
-    validate.dtype(keys_a, "int64")
-    validate.ndim(keys_a, 4)
-    validate.dtype(idx_a, "int32")
-    validate.ndim(idx_a, 3)
-    validate.writable_output(idx_a)
-    _, heads, tokens, per_shard = keys_a.shape
-    validate.dim_at_least(keys_a, 0, 1, "world")
-    validate.dim(idx_a, 0, heads, "heads, as in keys")
-    validate.dim(idx_a, 1, tokens, "tokens, as in keys")
+    _, heads, tokens, per_shard = _merge_shapes(keys_a, idx_a, "int32", "world")
     topk = idx_a.shape[2]
     if not 1 <= topk <= MAX_TOPK:
         raise ValueError(f"topk_idx.shape[2] (topk) must be in [1, {MAX_TOPK}], got {topk}")
