@@ -82,7 +82,8 @@ def specialisations():
         for integer in integers:
             label = shape_label if len(integers) == 1 else f"{shape_label},seq_lens={integer}"
             for factory in (family.pack_kernel, family.merge_kernel, family.merge_table_kernel,
-                            family.merge_keys_kernel, family.pack_to_peers_kernel,
+                            family.merge_keys_kernel, family.select_kernel,
+                            family.select_table_kernel, family.pack_to_peers_kernel,
                             family.merge_delivered_kernel, family.merge_delivered_table_kernel):
                 kernel = factory(*shape)
                 name = _numba.kernel_py_func(kernel).__name__

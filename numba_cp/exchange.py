@@ -37,7 +37,8 @@ from .launcher import call_signature
 from .constants import MAX_GLOBAL_BLOCKS, MAX_PAGE_STRIDE, MAX_PINNED, MAX_TOPK, PAGES
 from .kernels.ipc import PEER_SLOTS
 from .nodes import node_layout, sizes_from_env
-from .ops import (check_local_topk_keys, check_merge_topk_keys, choose_method, merge_keys,
+from .ops import (check_local_topk_keys, check_merge_topk_keys, choose_method,
+                  global_topk_ids, merge_keys,
                   local_topk_keys, local_topk_keys_to_peers, merge_delivered_keys,
                   merge_topk_keys)
 
@@ -342,6 +343,20 @@ class CandidateExchange:
         views = self._views_for(tokens)
         return (views.idx, views.sbt, views.ctx) if self.config.sparse_table else views.idx
 
+    @property
+    def _whole_rows(self) -> bool:
+        """World 1, flat: the shard is the whole row, and one kernel does the exchange."""
+        return self.config.world == 1 and self._levels is None
+
+    def _exchange_whole_rows(self, scores, seq_lens, attention_block_table, stream):
+        """World 1: the scores' top-k ids (and table) in one kernel, no keys in memory."""
+        c = self.config
+        tokens = self._tokens_of(scores)
+        (_, idx, _), kwargs = self._merge_arguments(seq_lens, tokens, attention_block_table)
+        global_topk_ids(scores, seq_lens, idx, global_blocks=c.global_blocks, stream=stream,
+                        **kwargs)
+        return self._outputs(tokens)
+
     def _exchange_delivered(self, scores, seq_lens, attention_block_table, stream):
         """The fused exchange: the pack delivers into every rank, the merge reads in place."""
         d = self._delivery
@@ -377,6 +392,8 @@ class CandidateExchange:
                 self._agreed.add(key)
         if self.fused:
             return self._exchange_delivered(scores, seq_lens, attention_block_table, stream)
+        if self._whole_rows:
+            return self._exchange_whole_rows(scores, seq_lens, attention_block_table, stream)
         self._pack(scores, seq_lens, stream)
         tokens = scores.shape[1]
         self._all_gather(tokens, stream, seq_lens)
@@ -453,7 +470,7 @@ class CandidateExchange:
         if self._levels is not None:
             return self._levels.describe()
         if self.config.world == 1:
-            return "none (world 1: the shard's keys are the gathered keys)"
+            return "none (world 1: one kernel takes the scores' top-k ids)"
         t = self.transport
         reason = f" ({t.reason})" if getattr(t, "reason", "") else ""
         fused = ", fused into pack and merge" if self.fused else ""
@@ -493,10 +510,12 @@ class CandidateExchange:
             return self.merge(seq_lens, tokens, attention_block_table=attention_block_table,
                               stream=s)
 
-        if self.fused:
+        if self.fused or self._whole_rows:
+            one_pass = self._exchange_delivered if self.fused else self._exchange_whole_rows
+
             def exchange(s):
                 self._refuse_if_failed()
-                self._exchange_delivered(scores, seq_lens, attention_block_table, s)
+                one_pass(scores, seq_lens, attention_block_table, s)
 
             segments = [(record_graph(exchange, stream), None)]
         elif self.gather_is_capturable:

@@ -19,7 +19,7 @@ from .kernels import radix, warp
 from .launcher import KernelLaunch, LaunchCache
 
 __all__ = ["local_topk_keys", "merge_topk_keys", "check_local_topk_keys",
-           "check_merge_topk_keys", "METHODS", "choose_method", "merge_keys",
+           "check_merge_topk_keys", "METHODS", "choose_method", "merge_keys", "global_topk_ids",
            "local_topk_keys_to_peers", "merge_delivered_keys"]
 
 # "warp": warps sort in registers (numba_cp.kernels.warp), for topk up to
@@ -406,6 +406,63 @@ def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride,
     return _merge_launch_for(keys_a, keys_a.shape[0] if keys_a.ndim == 4 else 0, arrays[1:],
                              [], [], query_len, init_blocks, local_blocks, block_page_stride,
                              method, threads, sort_limit)
+
+
+def global_topk_ids(scores, seq_lens, topk_idx, *, query_len, global_blocks, init_blocks,
+                    local_blocks, attention_block_table=None, sparse_block_table_out=None,
+                    sparse_context_lens_out=None, block_page_stride=None, stream=None,
+                    method="auto", threads=None, sort_limit=None):
+    """The exchange at world 1 in one kernel: the scores' global top-k block ids.
+
+    What :func:`local_topk_keys` (``rank=0, world=1``) followed by
+    :func:`merge_topk_keys` writes, bit for bit, with no keys written to memory
+    in between. ``scores`` is the whole row ``[heads, tokens, >= global_blocks]``;
+    ``topk_idx`` and the optional table arrays are as for :func:`merge_topk_keys`.
+
+    Returns:
+        ``topk_idx``.
+    """
+    arrays = (scores, seq_lens, topk_idx, attention_block_table, sparse_block_table_out,
+              sparse_context_lens_out)
+    launch, pointers = _PACK_LAUNCHES.launch_for(
+        arrays, (query_len, global_blocks, init_blocks, local_blocks, block_page_stride,
+                 method, threads, sort_limit), _plan_global_topk_ids)
+    launch(arrays, stream, pointers)
+    return topk_idx
+
+
+def _plan_global_topk_ids(arrays, query_len, global_blocks, init_blocks, local_blocks,
+                          block_page_stride, method, threads, sort_limit):
+    scores_a, seq_lens_a, idx_a = (as_kernel_array(a, name) for a, name in
+                                   zip(arrays, ("scores", "seq_lens", "topk_idx")))
+    validate.dtype(idx_a, "int32")
+    validate.ndim(idx_a, 3)
+    validate.writable_output(idx_a)
+    topk = idx_a.shape[2]
+    if not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"topk_idx.shape[2] (topk) must be in [1, {MAX_TOPK}], got {topk}")
+    scalars = _pack_scalars(scores_a, seq_lens_a, topk, 0, 1, query_len, global_blocks,
+                            init_blocks, local_blocks)
+    heads, tokens, _ = scores_a.shape
+    validate.dim(idx_a, 0, heads, "heads, as in scores")
+    validate.dim(idx_a, 1, tokens, "tokens, as in scores")
+    requests = validate.rows(tokens, scalars[3], seq_lens_a)
+    tables = _table_arrays(heads, tokens, topk, requests, *arrays[3:], block_page_stride)
+    family, shape, threads = _pack_family(scalars, method, threads, sort_limit)
+    if tables is not None and family is radix:  # the table writer needs one whole warp
+        threads = max(threads, radix.TABLE_THREADS)
+    if not (heads and tokens):
+        return _NoWork()
+    inputs = [scores_a, seq_lens_a, idx_a]
+    outputs = {"topk_idx", "sparse_block_table_out", "sparse_context_lens_out"}
+    if tables is None:
+        return KernelLaunch(family.select_kernel(*shape), (tokens, heads), threads,
+                            scalars[3:], footprint=validate.Footprint(inputs + [None] * 3,
+                                                                      outputs))
+    page_stride, table_arrays = tables
+    return KernelLaunch(family.select_table_kernel(*shape), (tokens, heads), threads,
+                        scalars[3:] + [page_stride],
+                        footprint=validate.Footprint(inputs + table_arrays, outputs))
 
 
 def merge_keys(keys, seq_lens, *, topk, query_len, init_blocks, local_blocks, out,

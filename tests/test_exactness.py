@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import numba_cp
 from numba_cp import reference as ref
@@ -82,3 +83,38 @@ def test_kernel_exchange_with_sparse_table(world, launch):
     np.testing.assert_array_equal(got[0], unsharded)
     np.testing.assert_array_equal(got[1], exp_sbt)
     np.testing.assert_array_equal(got[2], exp_ctx)
+
+
+@settings(max_examples=60)
+@given(case=cases(max_requests=4, max_global_blocks=64, max_topk=16), data=st.data())
+def test_world_one_in_one_kernel_equals_unsharded(case, data):
+    """global_topk_ids: the scores' top-k ids (and table) in one kernel, against the
+    unsharded oracle; the columns past global_blocks hold garbage that is never read."""
+    launch = data.draw(st.sampled_from([WARP, RADIX, dict(method="radix", sort_limit=1)]),
+                       label="launch")
+    garbage = data.draw(st.sampled_from([np.nan, np.inf, 3.0e38]), label="garbage")
+    scores = np.concatenate([case.full_scores,
+                             np.full(case.full_scores.shape[:2] + (3,), garbage, np.float32)],
+                            axis=2)
+    seq_lens = to_device(case.seq_lens)
+    window = dict(case.window)
+    want = ref.global_topk(case.full_scores, case.seq_lens, topk=case.topk,
+                           global_blocks=case.global_blocks, **window)
+    topk_idx = to_device(np.full((case.heads, case.tokens, case.topk), -7, np.int32))
+    table = None
+    extra = {}
+    if data.draw(st.booleans(), label="table"):
+        table = np.random.default_rng(case.topk).integers(
+            0, 1000, size=(case.seq_lens.size, case.global_blocks + 2), dtype=np.int32)
+        sbt = to_device(np.full((case.heads, case.tokens, case.topk * 8), -7, np.int32))
+        ctx = to_device(np.full((case.heads, case.tokens), -7, np.int32))
+        extra = dict(attention_block_table=to_device(table), sparse_block_table_out=sbt,
+                     sparse_context_lens_out=ctx)
+    numba_cp.ops.global_topk_ids(to_device(scores), seq_lens, topk_idx,
+                                 global_blocks=case.global_blocks, **launch, **window, **extra)
+    np.testing.assert_array_equal(to_host(topk_idx), want)
+    if table is not None:
+        want_sbt, want_ctx = ref.sparse_block_table(want, case.seq_lens, table,
+                                                    query_len=case.query_len)
+        np.testing.assert_array_equal(to_host(sbt), want_sbt)
+        np.testing.assert_array_equal(to_host(ctx), want_ctx)

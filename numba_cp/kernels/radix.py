@@ -32,12 +32,12 @@ from .params import declare
 from .primitives import WARP_LANES, shared_atomic_add
 from .rows import (MERGE_DELIVERED_PARAMS, MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
-                   gathered_candidate_key, gathered_row, merged_block, shard_candidate_key,
-                   shard_row, table_writer)
+                   SELECT_PARAMS, SELECT_TABLE_PARAMS, gathered_candidate_key, gathered_row,
+                   merged_block, shard_candidate_key, shard_row, table_writer, whole_row)
 
 __all__ = ["make_block_topk", "pack_kernel", "merge_kernel", "merge_table_kernel",
-           "merge_keys_kernel", "pack_to_peers_kernel", "merge_delivered_kernel",
-           "merge_delivered_table_kernel",
+           "merge_keys_kernel", "select_kernel", "select_table_kernel",
+           "pack_to_peers_kernel", "merge_delivered_kernel", "merge_delivered_table_kernel",
            "TABLE_THREADS"]
 
 RADIX_BITS = 8
@@ -248,6 +248,18 @@ def pack_to_peers_kernel(capacity):
     return shard_topk_keys_to_peers
 
 
+@cuda.jit(device=True)
+def write_ids(sel, topk_idx, head, row, valid_blocks):
+    """The row's top keys in ``sel`` -> block ids (or -1), into ``topk_idx`` and ``sel``."""
+    topk = topk_idx.shape[2]
+    kept = min(topk, valid_blocks)
+    for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
+        block = merged_block(sel[j], j, kept)
+        topk_idx[head, row, j] = block
+        sel[j] = block
+    cuda.syncthreads()
+
+
 @lru_cache(maxsize=None)
 def _merge_select(capacity):
     block_topk = make_block_topk(gathered_candidate_key, capacity)
@@ -257,26 +269,57 @@ def _merge_select(capacity):
                      local_blocks, sel, hist, state):
         """Merge this block's (head, row) from ``keys[first:first + world]``; leaves
         its block ids (or -1) in ``sel[0:topk]``."""
-        topk = topk_idx.shape[2]
         head, row, request, causal_len, valid_blocks, count, ctx = gathered_row(
             keys, first, world, seq_lens, query_len, init_blocks, local_blocks)
-        block_topk(keys, ctx, count, topk, sel, hist, state)
-        kept = min(topk, valid_blocks)
-        for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
-            block = merged_block(sel[j], j, kept)
-            topk_idx[head, row, j] = block
-            sel[j] = block
-        cuda.syncthreads()
+        block_topk(keys, ctx, count, topk_idx.shape[2], sel, hist, state)
+        write_ids(sel, topk_idx, head, row, valid_blocks)
         return head, row, request, causal_len
 
     return merge_select
 
 
 @lru_cache(maxsize=None)
-def _merge_with_table(capacity):
-    merge_select = _merge_select(capacity)
+def _whole_row_select(capacity):
+    block_topk = make_block_topk(shard_candidate_key, capacity)
+
+    @cuda.jit(device=True)
+    def whole_row_select(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks,
+                         local_blocks, sel, hist, state):
+        """World 1: this block's (head, row) top-k straight from the scores; leaves its
+        block ids (or -1) in ``sel[0:topk]``."""
+        head, row, request, causal_len, valid_blocks, count, ctx = whole_row(
+            scores, seq_lens, query_len, global_blocks, init_blocks, local_blocks)
+        block_topk(scores, ctx, count, topk_idx.shape[2], sel, hist, state)
+        write_ids(sel, topk_idx, head, row, valid_blocks)
+        return head, row, request, causal_len
+
+    return whole_row_select
+
+
+@lru_cache(maxsize=None)
+def _ids_table_writer(capacity):
     slots = max(1, capacity // WARP_LANES)  # sel[0:capacity] spread over one warp's lanes
     write_table = table_writer(slots)
+
+    @cuda.jit(device=True)
+    def write_ids_table(sel, topk, causal_len, request, head, row, block_table, page_stride,
+                        sparse_table, context_lens):
+        lane = cuda.threadIdx.x
+        if lane < WARP_LANES:
+            blocks = cuda.local.array(slots, int64)
+            for s in range(slots):
+                e = lane * slots + s
+                blocks[s] = sel[e] if e < topk else int64(-1)
+            write_table(blocks, topk, causal_len, request, head, row, block_table,
+                        page_stride, sparse_table, context_lens, lane)
+
+    return write_ids_table
+
+
+@lru_cache(maxsize=None)
+def _merge_with_table(capacity):
+    merge_select = _merge_select(capacity)
+    write_ids_table = _ids_table_writer(capacity)
 
     @cuda.jit(device=True)
     def merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
@@ -285,17 +328,51 @@ def _merge_with_table(capacity):
         head, row, request, causal_len = merge_select(keys, first, world, topk_idx, seq_lens,
                                                       query_len, init_blocks, local_blocks, sel,
                                                       hist, state)
-        lane = cuda.threadIdx.x
-        if lane < WARP_LANES:
-            topk = topk_idx.shape[2]
-            blocks = cuda.local.array(slots, int64)
-            for s in range(slots):
-                e = lane * slots + s
-                blocks[s] = sel[e] if e < topk else int64(-1)
-            write_table(blocks, topk, causal_len, request, head, row, block_table,
-                        page_stride, sparse_table, context_lens, lane)
+        write_ids_table(sel, topk_idx.shape[2], causal_len, request, head, row, block_table,
+                        page_stride, sparse_table, context_lens)
 
     return merge_with_table
+
+
+@lru_cache(maxsize=None)
+def select_kernel(capacity):
+    """World 1 in one kernel: the scores' global top-k block ids."""
+    select = _whole_row_select(capacity)
+
+    @cuda.jit
+    @declare(*SELECT_PARAMS)
+    def global_topk_ids(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks,
+                        local_blocks):
+        sel = cuda.shared.array(capacity, int64)
+        hist = cuda.shared.array(SCRATCH, int32)
+        state = cuda.shared.array(STATE_SLOTS, int64)
+        select(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks, local_blocks,
+               sel, hist, state)
+
+    return global_topk_ids
+
+
+@lru_cache(maxsize=None)
+def select_table_kernel(capacity):
+    """World 1 in one kernel: the global top-k block ids and the sparse table."""
+    select = _whole_row_select(capacity)
+    write_ids_table = _ids_table_writer(capacity)
+
+    @cuda.jit
+    @declare(*SELECT_TABLE_PARAMS)
+    def global_topk_ids_and_table(scores, seq_lens, topk_idx, block_table, sparse_table,
+                                  context_lens, query_len, global_blocks, init_blocks,
+                                  local_blocks, page_stride):
+        sel = cuda.shared.array(capacity, int64)
+        hist = cuda.shared.array(SCRATCH, int32)
+        state = cuda.shared.array(STATE_SLOTS, int64)
+        head, row, request, causal_len = select(scores, seq_lens, topk_idx, query_len,
+                                                global_blocks, init_blocks, local_blocks, sel,
+                                                hist, state)
+        write_ids_table(sel, topk_idx.shape[2], causal_len, request, head, row, block_table,
+                        page_stride, sparse_table, context_lens)
+
+    return global_topk_ids_and_table
 
 
 @lru_cache(maxsize=None)

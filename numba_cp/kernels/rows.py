@@ -19,7 +19,7 @@ from .params import INTEGER, Array, scalars
 from .primitives import WARP_LANES, inline_device, lane_value
 
 __all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARAMS",
-           "PACK_TO_PEERS_PARAMS",
+           "SELECT_PARAMS", "SELECT_TABLE_PARAMS", "PACK_TO_PEERS_PARAMS", "whole_row",
            "MERGE_DELIVERED_PARAMS", "MERGE_DELIVERED_TABLE_PARAMS",
            "shard_candidate_key", "gathered_candidate_key", "shard_row", "gathered_row",
            "merged_block", "table_writer"]
@@ -35,10 +35,15 @@ MERGE_PARAMS = (Array("keys", "int64", 4), Array("topk_idx", "int32", 3),
 # The two-level exchange's first merge keeps keys: the same inputs, a pack's output.
 MERGE_KEYS_PARAMS = (MERGE_PARAMS[0], Array("out", "int64", 3), MERGE_PARAMS[2],
                      *scalars("topk", "query_len", "init_blocks", "local_blocks"))
+# World 1 in one kernel: the scores' top-k straight to block ids (and the table).
+SELECT_PARAMS = (PACK_PARAMS[0], PACK_PARAMS[1], MERGE_PARAMS[1],
+                 *scalars("query_len", "global_blocks", "init_blocks", "local_blocks"))
 # The 2-D one-head table layout is launched as [1, ...]: the kernels see 3-D and 2-D.
 MERGE_TABLE_PARAMS = (*MERGE_PARAMS[:3], Array("block_table", "int32", 2),
                       Array("sparse_table", "int32", 3), Array("context_lens", "int32", 2),
                       *MERGE_PARAMS[3:], *scalars("page_stride"))
+SELECT_TABLE_PARAMS = (*SELECT_PARAMS[:3], *MERGE_TABLE_PARAMS[3:6], *SELECT_PARAMS[3:],
+                       *scalars("page_stride"))
 
 
 # The delivered exchange (kernels/ipc.py): the pack writes its keys into every
@@ -120,6 +125,19 @@ def shard_row(scores, seq_lens, rank, world, query_len, global_blocks, init_bloc
     _, _, valid_blocks, local_start = row_window(seq_lens, row, query_len, local_blocks)
     count = shard_candidate_count(valid_blocks, global_blocks, rank, world, scores.shape[2])
     return head, row, count, (head, row, rank, world, init_blocks, local_start)
+
+
+@cuda.jit(device=True, inline=True)
+def whole_row(scores, seq_lens, query_len, global_blocks, init_blocks, local_blocks):
+    """World 1: this block's ``(head, row, request, causal_len, valid_blocks, candidates,
+    ctx)``, the shard being the whole row."""
+    row = int64(cuda.blockIdx.x)
+    head = int64(cuda.blockIdx.y)
+    request, causal_len, valid_blocks, local_start = row_window(seq_lens, row, query_len,
+                                                                local_blocks)
+    count = shard_candidate_count(valid_blocks, global_blocks, 0, 1, scores.shape[2])
+    ctx = (head, row, int64(0), int64(1), init_blocks, local_start)
+    return head, row, request, causal_len, valid_blocks, count, ctx
 
 
 @cuda.jit(device=True, inline=True)

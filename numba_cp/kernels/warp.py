@@ -48,12 +48,12 @@ from .params import declare
 from .primitives import WARP_LANES, inline_device, lane_exchange, lane_read, lane_value
 from .rows import (MERGE_DELIVERED_PARAMS, MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
-                   gathered_candidate_key, gathered_row, merged_block, shard_candidate_key,
-                   shard_row, table_writer)
+                   SELECT_PARAMS, SELECT_TABLE_PARAMS, gathered_candidate_key, gathered_row,
+                   merged_block, shard_candidate_key, shard_row, table_writer, whole_row)
 
 __all__ = ["make_warp_topk", "pack_kernel", "merge_kernel", "merge_table_kernel",
-           "merge_keys_kernel", "pack_to_peers_kernel", "merge_delivered_kernel",
-           "merge_delivered_table_kernel"]
+           "merge_keys_kernel", "select_kernel", "select_table_kernel",
+           "pack_to_peers_kernel", "merge_delivered_kernel", "merge_delivered_table_kernel"]
 
 LOG_LANES = WARP_LANES.bit_length() - 1
 
@@ -369,17 +369,11 @@ def pack_to_peers_kernel(run, slots, warps):
 
 
 @lru_cache(maxsize=None)
-def _merge_select(run, slots, warps):
-    warp_topk = make_warp_topk(gathered_candidate_key, run, slots, warps, presorted=True)
-
+def _ids_writer(slots):
     @inline_device
-    def merge_select(keys, first, world, topk_idx, seq_lens, query_len, init_blocks,
-                     local_blocks, v, t, acc, shared):
-        """Merge this block's (head, row) from ``keys[first:first + world]``; warp 0
-        writes topk_idx and keeps the ids (or -1) in ``acc``."""
-        head, row, request, causal_len, valid_blocks, count, ctx = gathered_row(
-            keys, first, world, seq_lens, query_len, init_blocks, local_blocks)
-        warp_topk(keys, ctx, count, v, t, acc, shared)
+    def write_ids(acc, topk_idx, head, row, valid_blocks):
+        """Warp 0: the row's top keys in ``acc`` -> block ids (or -1), into ``topk_idx``
+        and back into ``acc``."""
         topk = topk_idx.shape[2]
         kept = min(topk, valid_blocks)
         lane = cuda.threadIdx.x
@@ -390,9 +384,93 @@ def _merge_select(run, slots, warps):
                 acc[s] = block
                 if e < topk:
                     topk_idx[head, row, e] = block
+
+    return write_ids
+
+
+@lru_cache(maxsize=None)
+def _merge_select(run, slots, warps):
+    warp_topk = make_warp_topk(gathered_candidate_key, run, slots, warps, presorted=True)
+    write_ids = _ids_writer(slots)
+
+    @inline_device
+    def merge_select(keys, first, world, topk_idx, seq_lens, query_len, init_blocks,
+                     local_blocks, v, t, acc, shared):
+        """Merge this block's (head, row) from ``keys[first:first + world]``; warp 0
+        writes topk_idx and keeps the ids (or -1) in ``acc``."""
+        head, row, request, causal_len, valid_blocks, count, ctx = gathered_row(
+            keys, first, world, seq_lens, query_len, init_blocks, local_blocks)
+        warp_topk(keys, ctx, count, v, t, acc, shared)
+        write_ids(acc, topk_idx, head, row, valid_blocks)
         return head, row, request, causal_len
 
     return merge_select
+
+
+@lru_cache(maxsize=None)
+def _whole_row_select(run, slots, warps):
+    warp_topk = make_warp_topk(shard_candidate_key, run, slots, warps)
+    write_ids = _ids_writer(slots)
+
+    @inline_device
+    def whole_row_select(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks,
+                         local_blocks, v, t, acc, shared):
+        """World 1: this block's (head, row) top-k of pinned keys straight from the
+        scores; warp 0 writes topk_idx and keeps the ids (or -1) in ``acc``."""
+        head, row, request, causal_len, valid_blocks, count, ctx = whole_row(
+            scores, seq_lens, query_len, global_blocks, init_blocks, local_blocks)
+        warp_topk(scores, ctx, count, v, t, acc, shared)
+        write_ids(acc, topk_idx, head, row, valid_blocks)
+        return head, row, request, causal_len
+
+    return whole_row_select
+
+
+@lru_cache(maxsize=None)
+def select_kernel(run, slots, warps):
+    """World 1 in one kernel: the scores' global top-k block ids."""
+    select = _whole_row_select(run, slots, warps)
+    shared_size = warps * run
+
+    @cuda.jit
+    @declare(*SELECT_PARAMS)
+    def global_topk_ids_warp(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks,
+                             local_blocks):
+        v = cuda.local.array(slots, int64)
+        t = cuda.local.array(slots, int64)
+        acc = cuda.local.array(slots, int64)
+        shared = cuda.shared.array(shared_size, int64)
+        select(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks, local_blocks,
+               v, t, acc, shared)
+
+    return global_topk_ids_warp
+
+
+@lru_cache(maxsize=None)
+def select_table_kernel(run, slots, warps):
+    """World 1 in one kernel: the global top-k block ids and the sparse table."""
+    select = _whole_row_select(run, slots, warps)
+    write_table = table_writer(slots)
+    shared_size = warps * run
+
+    @cuda.jit
+    @declare(*SELECT_TABLE_PARAMS)
+    def global_topk_ids_and_table_warp(scores, seq_lens, topk_idx, block_table, sparse_table,
+                                       context_lens, query_len, global_blocks, init_blocks,
+                                       local_blocks, page_stride):
+        v = cuda.local.array(slots, int64)
+        t = cuda.local.array(slots, int64)
+        acc = cuda.local.array(slots, int64)
+        shared = cuda.shared.array(shared_size, int64)
+        head, row, request, causal_len = select(scores, seq_lens, topk_idx, query_len,
+                                                global_blocks, init_blocks, local_blocks,
+                                                v, t, acc, shared)
+        lane = cuda.threadIdx.x
+        if lane < WARP_LANES:
+            write_table(acc, topk_idx.shape[2], causal_len, request, head, row, block_table,
+                        page_stride, sparse_table, context_lens, lane)
+
+    return global_topk_ids_and_table_warp
 
 
 @lru_cache(maxsize=None)
