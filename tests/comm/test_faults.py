@@ -94,10 +94,14 @@ def test_a_bad_config_field_on_one_rank_aborts_a_job_run_with_mpi4py(mpiexec, tm
 
 
 def test_two_level_nodes_must_agree_on_every_rank(mpiexec, tmp_path):
-    out, _ = run(mpiexec, 3, "nodes_mismatch", tmp_path)
+    # each job its own rendezvous folder: a rank leaves once every rank's file is there
+    runs = {name: tmp_path / name for name in ("mismatch", "bad", "agreed")}
+    for folder in runs.values():
+        folder.mkdir()
+    out, _ = run(mpiexec, 3, "nodes_mismatch", runs["mismatch"])
     assert all(t.startswith("RankAgreementError") and "nodes" in t for t in out.values()), out
-    out, _ = run(mpiexec, 2, "nodes_bad_value", tmp_path)
+    out, _ = run(mpiexec, 2, "nodes_bad_value", runs["bad"])
     assert all(t.startswith("RankAgreementError") and "NUMBA_CP_NODES='0'" in t
                and "rank 0" in t for t in out.values()), out
-    out, _ = run(mpiexec, 3, "two_levels_exact", tmp_path)  # the same scenario, agreed
+    out, _ = run(mpiexec, 3, "two_levels_exact", runs["agreed"])  # the same, agreed
     assert all(t.startswith("ok") for t in out.values()), out
