@@ -141,6 +141,18 @@ def test_world_checks_fail_the_same_on_every_rank():
         job_options.check_with_world(args, 2, refuse)
 
 
+def test_pretend_nodes_are_checked_with_the_world(monkeypatch):
+    args = parse_options(["--hierarchy", "node"])
+    monkeypatch.setenv("NUMBA_CP_NODES", "3,2")
+    with pytest.raises(OptionError, match="NUMBA_CP_NODES='3,2': node sizes .* add up to "
+                                          "the 4 ranks"):
+        job_options.check_with_world(args, 4, lambda context: None)
+    job_options.check_with_world(args, 5, lambda context: None)  # 3 + 2 ranks: fine
+    flat = parse_options([])  # the flat exchange reads no nodes
+    job_options.check_with_world(flat, 4, lambda context: None)
+    assert args.hierarchy == "node" and flat.hierarchy == "flat"
+
+
 def test_transport_choices_are_the_packages():
     from numba_cp.comm import TRANSPORTS
 
