@@ -238,11 +238,15 @@ def _pack_scalars(scores_a, seq_lens_a, topk, rank, world, query_len, global_blo
 def _pack_family(scalars, method, threads, sort_limit):
     """``(family module, kernel shape, threads per block)`` of a pack."""
     topk, _, world, _, global_blocks = scalars[:5]
-    candidates = -(-global_blocks // world)
+    return _family(topk, -(-global_blocks // world), method, threads, sort_limit, merge=False)
+
+
+def _family(topk, candidates, method, threads, sort_limit, merge):
+    """``(family module, kernel shape, threads per block)`` for rows of ``candidates``."""
     if choose_method(method, topk) == "warp":
         shape = _warp_shape(topk, candidates, threads, sort_limit)
         return warp, shape, shape[2] * TARGET.lanes
-    threads, capacity = _radix_shape(topk, candidates, threads, sort_limit)
+    threads, capacity = _radix_shape(topk, candidates, threads, sort_limit, merge=merge)
     return radix, (capacity,), threads
 
 
@@ -498,13 +502,8 @@ def _plan_merge_keys(arrays, topk, query_len, init_blocks, local_blocks, method,
     ranks, heads, tokens, per_shard = _merge_shapes(keys_a, out_a, "int64", "ranks")
     validate.dim_at_least(out_a, 2, topk, "topk")
     validate.rows(tokens, query_len, seq_lens_a)
-    candidates = ranks * per_shard
-    if choose_method(method, topk) == "warp":
-        shape = _warp_shape(topk, candidates, threads, sort_limit)
-        family, threads = warp, shape[2] * TARGET.lanes
-    else:
-        threads, capacity = _radix_shape(topk, candidates, threads, sort_limit, merge=True)
-        family, shape = radix, (capacity,)
+    family, shape, threads = _family(topk, ranks * per_shard, method, threads, sort_limit,
+                                     merge=True)
     if not (heads and tokens):
         return _NoWork()
     return KernelLaunch(family.merge_keys_kernel(*shape), (tokens, heads), threads,
@@ -577,14 +576,9 @@ def _merge_launch_for(keys_a, world, arrays, waits, wait_scalars, query_len, ini
                            sparse_block_table_out, sparse_context_lens_out, block_page_stride)
 
     candidates = world * per_shard
-    if choose_method(method, topk) == "warp":
-        family, shape = warp, _warp_shape(topk, candidates, threads, sort_limit)
-        threads = shape[2] * TARGET.lanes
-    else:
-        threads, capacity = _radix_shape(topk, candidates, threads, sort_limit, merge=True)
-        family, shape = radix, (capacity,)
-        if tables is not None:  # the table writer needs one whole warp
-            threads = max(threads, radix.TABLE_THREADS)
+    family, shape, threads = _family(topk, candidates, method, threads, sort_limit, merge=True)
+    if tables is not None and family is radix:  # the table writer needs one whole warp
+        threads = max(threads, radix.TABLE_THREADS)
     if not (heads and tokens):
         return _NoWork()
     scalars = [query_len, init_blocks, local_blocks]
