@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .comm.base import allgather_objects
+
 __all__ = ["NODES_ENV", "NodeLayout", "pretend_sizes", "sizes_from_env", "node_layout"]
 
 NODES_ENV = "NUMBA_CP_NODES"
@@ -71,7 +73,7 @@ def node_layout(comm, sizes=None) -> NodeLayout:
         first = local.allreduce(comm.Get_rank(), op=MPI.MIN)
     finally:
         local.Free()
-    firsts = comm.allgather(first)
+    firsts = allgather_objects(comm, first, "node layout")
     order = {rank: n for n, rank in enumerate(sorted(set(firsts)))}
     return NodeLayout(tuple(order[f] for f in firsts))
 

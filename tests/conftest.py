@@ -1,4 +1,5 @@
 import os
+from functools import lru_cache
 
 # Tests run on the CPU simulator unless a GPU target is asked for explicitly
 # (NUMBA_CP_BACKEND=cuda runs the same tests on CuPy arrays).
@@ -39,10 +40,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
+@lru_cache(maxsize=None)
+def _mpiexec_command():
+    return find_mpiexec()  # looked up once for the whole test run
+
+
+@pytest.fixture
 def mpiexec():
     """The mpiexec command line multi-rank tests launch with (skips if there is none)."""
-    command = find_mpiexec()
+    command = _mpiexec_command()
     if command is None:
         pytest.skip("no mpiexec beside sys.executable or on PATH")
     return command

@@ -1,6 +1,6 @@
 """The warp kernels at CUDA's (32) and CDNA's (64) warp widths, on the simulator.
 
-The test suite runs 8-lane simulated warps for speed; the GPUs run 32 or 64.
+The test suite simulates warps of 8 lanes for speed; the GPUs have 32 or 64.
 The lane count changes which stages stay inside a lane and which cross lanes,
 so each width runs an exchange end to end (pack on every shard, merge, sparse
 table, equality with the unsharded oracle) in a subprocess of its own.
