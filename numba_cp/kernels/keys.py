@@ -5,7 +5,7 @@ uint32 with int64 promotes to float64, which would silently corrupt keys.
 """
 
 import numpy as np
-from numba import int64
+from numba import float32, int64
 
 from ..backend import cuda
 from ..constants import INIT_SCORE, KEY_VALID_BIT, LOCAL_SCORE, SPARSE_BLOCK
@@ -23,33 +23,30 @@ ORDERED_INIT = _ordered_host(INIT_SCORE)
 ORDERED_LOCAL = _ordered_host(LOCAL_SCORE)
 
 
+# The two maps below are written as selects, not early returns: a branch per
+# key costs the small-row kernels a reconvergence point each, a select nothing.
+
+
 @cuda.jit(device=True, inline=True)
 def ordered_from_bits(bits):
     """Order-preserving uint32 of a float32 bit pattern (-0 as +0, NaN lowest)."""
-    if bits == 0x80000000:
-        bits = 0
-    if (bits & 0x7FFFFFFF) > 0x7F800000:
-        return int64(0)
-    if bits & 0x80000000:
-        return bits ^ 0xFFFFFFFF
-    return bits ^ 0x80000000
+    magnitude = bits & 0x7FFFFFFF
+    # negative: all bits flipped; positive: the sign bit set
+    ordered = bits ^ (((bits >> 31) * 0x7FFFFFFF) | 0x80000000)
+    ordered = int64(0x80000000) if magnitude == 0 else ordered
+    return int64(0) if magnitude > 0x7F800000 else ordered
 
 
 @cuda.jit(device=True, inline=True)
 def bits_from_ordered(ordered):
-    if ordered & 0x80000000:
-        return ordered ^ 0x80000000
-    return ordered ^ 0xFFFFFFFF
+    return ordered ^ ((((ordered >> 31) ^ 1) * 0x7FFFFFFF) | 0x80000000)
 
 
 @cuda.jit(device=True, inline=True)
 def pin_ordered(ordered, block, init_blocks, local_start):
     """Ordered score after pinning: local beats init beats the block's own."""
-    if block >= local_start:
-        return int64(ORDERED_LOCAL)
-    if block < init_blocks:
-        return int64(ORDERED_INIT)
-    return ordered
+    ordered = int64(ORDERED_INIT) if block < init_blocks else ordered
+    return int64(ORDERED_LOCAL) if block >= local_start else ordered
 
 
 @cuda.jit(device=True, inline=True)
@@ -72,6 +69,9 @@ def repin_key(key, init_blocks, local_start):
     return make_key(pin_ordered(ordered, block, init_blocks, local_start), block)
 
 
+SPARSE_SHIFT = SPARSE_BLOCK.bit_length() - 1
+assert 1 << SPARSE_SHIFT == SPARSE_BLOCK
+
 # Context lengths past this select exactly as this does (every block valid and
 # none of them local, since init/local_blocks < 2**31), and capping them keeps
 # the arithmetic below from overflowing for any integer dtype of seq_lens.
@@ -88,4 +88,19 @@ def causal_len_of(seq_len, t, query_len):
 def valid_blocks_of(causal_len):
     if causal_len <= 0:
         return int64(0)
-    return (causal_len + (SPARSE_BLOCK - 1)) // SPARSE_BLOCK
+    return (causal_len + (SPARSE_BLOCK - 1)) >> SPARSE_SHIFT
+
+
+@cuda.jit(device=True, inline=True)
+def quotient(x, d):
+    """``x // d`` for ``x >= 0`` and ``d >= 1``.
+
+    A shift when ``d`` is a power of two, as query_len and world usually are:
+    an integer division is a ~20-instruction dependent chain on a GPU, and
+    the small-row kernels run two of them before their first score load. The
+    shift is read from the exponent of ``float32(d)``, exact for every power
+    of two an int64 holds, on every target alike.
+    """
+    if d & (d - 1) == 0:
+        return x >> ((float_bits(float32(d)) >> 23) - 127)
+    return x // d
