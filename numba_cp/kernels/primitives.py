@@ -28,8 +28,8 @@ if NAME != "sim":
     intrinsic, cgutils = _numba.intrinsic_api(NAME)
 
 __all__ = ["inline_device", "float_bits", "shared_atomic_add", "WARP_LANES", "lane_exchange",
-           "lane_value", "lane_read", "flag_load", "flag_store", "fence_system", "spin_pause",
-           "clock_ns", "ctrl_add", "ctrl_cas"]
+           "lane_value", "lane_read", "lanes_all", "flag_load", "flag_store", "fence_system",
+           "spin_pause", "clock_ns", "ctrl_add", "ctrl_cas"]
 
 
 def inline_device(fn):
@@ -209,6 +209,26 @@ elif NAME == "hip":
     @cuda.jit(device=True, inline=True)
     def lane_read(value, lane, source_lane):
         return _read_lane(int64(value), source_lane)
+
+
+if NAME == "cuda":
+
+    @cuda.jit(device=True, inline=True)
+    def lanes_all(flag, lane):
+        """Whether ``flag`` holds in every lane of the warp (one vote)."""
+        return cuda.all_sync(FULL_MASK, flag)
+
+else:  # numba-hip has no warp votes (and the simulator none): a butterfly of shuffles
+
+    @cuda.jit(device=True, inline=True)
+    def lanes_all(flag, lane):
+        """Whether ``flag`` holds in every lane of the warp."""
+        every = int32(1) if flag else int32(0)
+        mask = 1
+        while mask < WARP_LANES:
+            every &= lane_value(every, lane, mask)
+            mask <<= 1
+        return every != 0
 
 
 # ---------------------------------------------------------------------------

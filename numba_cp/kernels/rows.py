@@ -9,12 +9,12 @@ results go is here.
 
 from functools import lru_cache
 
-from numba import int64
+from numba import int32, int64
 
 from ..backend import cuda
 from ..constants import PAGES, SPARSE_BLOCK
 from .ipc import PEER_SLOTS
-from .keys import causal_len_of, repin_key, score_key, valid_blocks_of
+from .keys import causal_len_of, quotient, repin_key, score_key, valid_blocks_of
 from .params import INTEGER, Array, scalars
 from .primitives import WARP_LANES, inline_device, lane_value
 
@@ -22,6 +22,8 @@ __all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARA
            "SELECT_PARAMS", "SELECT_TABLE_PARAMS", "PACK_TO_PEERS_PARAMS", "whole_row",
            "MERGE_DELIVERED_PARAMS", "MERGE_DELIVERED_TABLE_PARAMS",
            "shard_candidate_key", "gathered_candidate_key", "shard_row", "gathered_row",
+           "shard_load", "shard_key_of", "gathered_load", "gathered_key_of", "shard_place",
+           "gathered_place",
            "merged_block", "table_writer"]
 
 # The kernels' parameters: the wrappers' arrays in the wrappers' order, then scalars.
@@ -64,17 +66,32 @@ MERGE_DELIVERED_TABLE_PARAMS = (*MERGE_PARAMS[:3], *_WAIT_ARRAYS, *MERGE_TABLE_P
 # shard:    (head, row, rank, world, init_blocks, local_start)
 # gathered: (head, row, per_shard, log2(per_shard) or -1, init_blocks, local_start, first)
 #           rank q's keys are keys[first + q]
+#
+# A candidate is read in two steps: ``*_load(src, ctx, i)`` fetches its raw
+# value and uses only the fields that say where the row is, which need no
+# seq_lens; ``*_key_of(raw, ctx, i)`` pins it with the row's window. A kernel
+# can so issue its first loads with a "place" ctx (``shard_place``,
+# ``gathered_place``: the window fields zero) while seq_lens is still in flight.
+
+
+@cuda.jit(device=True, inline=True)
+def shard_load(scores, ctx, column):
+    return scores[ctx[0], ctx[1], column]
+
+
+@cuda.jit(device=True, inline=True)
+def shard_key_of(score, ctx, column):
+    head, row, rank, world, init_blocks, local_start = ctx
+    return score_key(score, column * world + rank, init_blocks, local_start)
 
 
 @cuda.jit(device=True, inline=True)
 def shard_candidate_key(scores, ctx, column):
-    head, row, rank, world, init_blocks, local_start = ctx
-    block = column * world + rank
-    return score_key(scores[head, row, column], block, init_blocks, local_start)
+    return shard_key_of(shard_load(scores, ctx, column), ctx, column)
 
 
 @cuda.jit(device=True, inline=True)
-def gathered_candidate_key(keys, ctx, i):
+def gathered_load(keys, ctx, i):
     head, row, per_shard, shift, init_blocks, local_start, first = ctx
     if shift >= 0:  # per_shard is a power of two (it usually is topk): no division
         rank = i >> shift
@@ -82,10 +99,34 @@ def gathered_candidate_key(keys, ctx, i):
     else:
         rank = i // per_shard
         column = i - rank * per_shard
-    key = keys[first + rank, head, row, column]
+    return keys[first + rank, head, row, column]
+
+
+@cuda.jit(device=True, inline=True)
+def gathered_key_of(key, ctx, i):
     if key == 0:
         return int64(0)
-    return repin_key(key, init_blocks, local_start)
+    return repin_key(key, ctx[4], ctx[5])
+
+
+@cuda.jit(device=True, inline=True)
+def gathered_candidate_key(keys, ctx, i):
+    return gathered_key_of(gathered_load(keys, ctx, i), ctx, i)
+
+
+@cuda.jit(device=True, inline=True)
+def shard_place(rank, world):
+    """A shard ctx without the window: enough for ``shard_load``."""
+    return (int64(cuda.blockIdx.y), int64(cuda.blockIdx.x), int64(rank), int64(world),
+            int64(0), int64(0))
+
+
+@cuda.jit(device=True, inline=True)
+def gathered_place(keys, first):
+    """A gathered ctx without the window: enough for ``gathered_load``."""
+    per_shard = int64(keys.shape[3])
+    return (int64(cuda.blockIdx.y), int64(cuda.blockIdx.x), per_shard,
+            per_shard_shift(per_shard), int64(0), int64(0), int64(first))
 
 
 @cuda.jit(device=True, inline=True)
@@ -94,12 +135,12 @@ def shard_candidate_count(valid_blocks, global_blocks, rank, world, local):
     limit = min(valid_blocks, global_blocks)
     if limit <= rank:
         return int64(0)
-    return min((limit - rank + world - 1) // world, local)
+    return min(quotient(limit - rank + world - 1, world), local)
 
 
 @cuda.jit(device=True, inline=True)
 def row_window(seq_lens, row, query_len, local_blocks):
-    request = row // query_len
+    request = quotient(row, query_len)
     causal_len = causal_len_of(seq_lens[request], row - request * query_len, query_len)
     valid_blocks = valid_blocks_of(causal_len)
     return request, causal_len, valid_blocks, max(valid_blocks - local_blocks, 0)
@@ -178,12 +219,16 @@ def table_writer(slots):
         ctx_len = max(causal_len, 0)
         self_blk = (causal_len - 1) // SPARSE_BLOCK
         columns = block_table.shape[1]
+        # The page lookups go first, all in flight at once, and the scan runs
+        # while they travel: they need only the block ids.
+        pages = cuda.local.array(slots, int64)
         full = int64(0)
         tail = int64(0)
         for s in range(slots):
             e = lane * slots + s
             b = blocks[s]
             if e < topk and ctx_len > 0 and 0 <= b <= self_blk and b < columns:
+                pages[s] = block_table[request, b] * page_stride
                 if b < self_blk:
                     full += 1
                 else:
@@ -192,9 +237,9 @@ def table_writer(slots):
         total = full
         tails = tail
         mask = 1
-        while mask < WARP_LANES:
-            other_total = lane_value(total, lane, mask)
-            other_tails = lane_value(tails, lane, mask)
+        while mask < WARP_LANES:  # counts of at most 2048: one 32-bit shuffle each
+            other_total = lane_value(int32(total), lane, mask)
+            other_tails = lane_value(int32(tails), lane, mask)
             if lane & mask:
                 before += other_total
             total += other_total
@@ -207,7 +252,6 @@ def table_writer(slots):
                 context_lens[head, row] = n_full * SPARSE_BLOCK + (ctx_len - self_blk * SPARSE_BLOCK)
             else:
                 context_lens[head, row] = min(n_used * SPARSE_BLOCK, ctx_len)
-        pages = cuda.local.array(slots, int64)  # all page lookups in flight at once
         for s in range(slots):
             e = lane * slots + s
             b = blocks[s]
@@ -218,7 +262,6 @@ def table_writer(slots):
                     before += 1
                 else:
                     slot = n_full
-                pages[s] = block_table[request, b] * page_stride
             blocks[s] = slot
         for s in range(slots):
             e = lane * slots + s

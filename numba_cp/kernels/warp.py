@@ -40,16 +40,17 @@ of every shape has no ``.local`` depot).
 
 from functools import lru_cache
 
-from numba import int64
+from numba import float32, int64
 
 from ..backend import cuda
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
 from .params import declare
-from .primitives import WARP_LANES, inline_device, lane_exchange, lane_read, lane_value
+from .primitives import WARP_LANES, inline_device, lane_exchange, lane_read, lanes_all
 from .rows import (MERGE_DELIVERED_PARAMS, MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
-                   SELECT_PARAMS, SELECT_TABLE_PARAMS, gathered_candidate_key, gathered_row,
-                   merged_block, shard_candidate_key, shard_row, table_writer, whole_row)
+                   SELECT_PARAMS, SELECT_TABLE_PARAMS, gathered_key_of, gathered_load,
+                   gathered_place, gathered_row, merged_block, shard_key_of, shard_load,
+                   shard_place, shard_row, table_writer, whole_row)
 
 __all__ = ["make_warp_topk", "pack_kernel", "merge_kernel", "merge_table_kernel",
            "merge_keys_kernel", "select_kernel", "select_table_kernel",
@@ -94,11 +95,13 @@ def compare_stage(slots, mask, max_only):
     @inline_device
     def across_lanes(v, t, lane):
         lane_exchange(v, t, slots, lane, lane_mask)
-        keep_max = max_only or (lane & top_lane_bit) == 0
+        keep_larger = max_only or (lane & top_lane_bit) == 0
         for s in range(slots):
-            a = v[s]
+            # One comparison whose outcome the lane's side flips. Spelt as max/min,
+            # LLVM keeps both and the GPU pays a 64-bit compare for each.
             b = t[s ^ slot_mask]
-            v[s] = max(a, b) if keep_max else min(a, b)
+            if (b > v[s]) == keep_larger:
+                v[s] = b
 
     return across_lanes
 
@@ -187,22 +190,26 @@ def runs_sorted(slots, run):
         if (lane < WARP_LANES - 1 and (((lane + 1) * slots) & (run - 1)) != 0
                 and v[slots - 1] < following):
             ok = 0
-        mask = 1
-        while mask < WARP_LANES:
-            ok &= lane_value(ok, lane, mask)
-            mask <<= 1
-        return ok != 0
+        return lanes_all(ok != 0, lane)
 
     return check
 
 
 @lru_cache(maxsize=None)
-def make_warp_topk(candidate_key, run, slots, warps, presorted=False):
-    """``warp_topk(src, ctx, count, v, t, acc, shared)`` for one key source.
+def make_warp_topk(load, key_of, run, slots, warps, presorted=False):
+    """``(prefetch, warp_topk)`` for one candidate source (kernels/rows.py).
 
-    ``candidate_key(src, ctx, i)`` is key ``i < count`` of the row; no
-    candidate at or past ``count`` is read (SPEC.md: those columns may hold
-    garbage and are never read).
+    ``prefetch(src, place, capacity, raw)`` loads this lane's candidates of
+    the first pass, every ``i < capacity`` (the row's room in ``src``), into
+    the local array ``raw``. ``place`` is a ctx without the window, so the
+    loads need not wait for seq_lens: a kernel issues them first, then reads
+    its window while they are in flight.
+
+    ``warp_topk(src, ctx, count, raw, v, t, acc, shared)`` then selects:
+    ``key_of(raw, ctx, i)`` is key ``i < count`` of the row (``count <=
+    capacity``), from ``raw`` in the first pass and ``load(src, ctx, i)``
+    after. No key at or past ``count`` is used (SPEC.md: those columns may
+    hold garbage; what a speculative load fetched there is dropped unread).
 
     ``presorted``: the source usually holds descending runs of ``run``
     consecutive keys (the merge's gathered shard keys, when ``per_shard ==
@@ -228,6 +235,22 @@ def make_warp_topk(candidate_key, run, slots, warps, presorted=False):
     log_width = _log2(width)
 
     @inline_device
+    def candidate(step, lane, s):
+        """Index of slot ``s`` of ``lane`` in pass ``step`` of this warp."""
+        base = (step * warps + (cuda.threadIdx.x >> LOG_LANES)) << log_width
+        if presorted:  # element order = key order, so sorted runs stay runs
+            return base + lane * slots + s
+        return base + s * WARP_LANES + lane  # slot-major reads: a warp's loads coalesce
+
+    @inline_device
+    def prefetch(src, place, capacity, raw):
+        lane = cuda.threadIdx.x & (WARP_LANES - 1)
+        for s in range(slots):
+            i = candidate(0, lane, s)
+            if i < capacity:
+                raw[s] = load(src, place, i)
+
+    @inline_device
     def keep_top(acc, v, t, lane):
         """``acc`` = the top ``run`` of ``acc`` and of the run that ``t`` holds reversed."""
         for s in range(slots):
@@ -243,7 +266,7 @@ def make_warp_topk(candidate_key, run, slots, warps, presorted=False):
         keep_top(acc, v, t, lane)
 
     @inline_device
-    def warp_topk(src, ctx, count, v, t, acc, shared):
+    def warp_topk(src, ctx, count, raw, v, t, acc, shared):
         tid = cuda.threadIdx.x
         lane = tid & (WARP_LANES - 1)
         warp = tid >> LOG_LANES
@@ -251,13 +274,12 @@ def make_warp_topk(candidate_key, run, slots, warps, presorted=False):
             acc[s] = 0
         passes = (count + (width * warps - 1)) >> log_pass
         for step in range(passes):
-            base = (step * warps + warp) << log_width
             for s in range(slots):
-                if presorted:  # element order = key order, so sorted runs stay runs
-                    i = base + lane * slots + s
-                else:  # slot-major reads: a warp's loads are coalesced
-                    i = base + s * WARP_LANES + lane
-                v[s] = candidate_key(src, ctx, i) if i < count else int64(0)
+                i = candidate(step, lane, s)
+                if i < count:
+                    v[s] = key_of(raw[s] if step == 0 else load(src, ctx, i), ctx, i)
+                else:
+                    v[s] = 0
             if not (presorted and in_order(v, lane)):
                 sort_runs(v, t, lane)
             halve(v, t, lane)
@@ -281,7 +303,7 @@ def make_warp_topk(candidate_key, run, slots, warps, presorted=False):
                 keep_top(acc, v, t, lane)
             stride <<= 1
 
-    return warp_topk
+    return prefetch, warp_topk
 
 
 # ---------------------------------------------------------------------------
@@ -294,15 +316,16 @@ def make_warp_topk(candidate_key, run, slots, warps, presorted=False):
 
 @lru_cache(maxsize=None)
 def _shard_select(run, slots, warps):
-    warp_topk = make_warp_topk(shard_candidate_key, run, slots, warps)
+    prefetch, warp_topk = make_warp_topk(shard_load, shard_key_of, run, slots, warps)
 
     @inline_device
     def shard_select(scores, seq_lens, rank, world, query_len, global_blocks, init_blocks,
-                     local_blocks, v, t, acc, shared):
+                     local_blocks, raw, v, t, acc, shared):
         """Select this block's (head, row); warp 0's ``acc`` holds the keys."""
+        prefetch(scores, shard_place(rank, world), scores.shape[2], raw)
         head, row, count, ctx = shard_row(scores, seq_lens, rank, world, query_len,
                                           global_blocks, init_blocks, local_blocks)
-        warp_topk(scores, ctx, count, v, t, acc, shared)
+        warp_topk(scores, ctx, count, raw, v, t, acc, shared)
         return head, row
 
     return shard_select
@@ -317,12 +340,13 @@ def pack_kernel(run, slots, warps):
     @declare(*PACK_PARAMS)
     def shard_topk_keys_warp(scores, seq_lens, out, topk, rank, world, query_len,
                              global_blocks, init_blocks, local_blocks):
+        raw = cuda.local.array(slots, float32)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
         head, row = shard_select(scores, seq_lens, rank, world, query_len, global_blocks,
-                                 init_blocks, local_blocks, v, t, acc, shared)
+                                 init_blocks, local_blocks, raw, v, t, acc, shared)
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             for s in range(slots):
@@ -347,12 +371,13 @@ def pack_to_peers_kernel(run, slots, warps):
         epoch_box = cuda.shared.array(1, int64)
         epoch = open_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7,
                               world, rank, epoch_box)
+        raw = cuda.local.array(slots, float32)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
         head, row = shard_select(scores, seq_lens, rank, world, query_len, global_blocks,
-                                 init_blocks, local_blocks, v, t, acc, shared)
+                                 init_blocks, local_blocks, raw, v, t, acc, shared)
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             base = delivery_base(data_start, epoch, world, rank, slot, head, row,
@@ -390,17 +415,19 @@ def _ids_writer(slots):
 
 @lru_cache(maxsize=None)
 def _merge_select(run, slots, warps):
-    warp_topk = make_warp_topk(gathered_candidate_key, run, slots, warps, presorted=True)
+    prefetch, warp_topk = make_warp_topk(gathered_load, gathered_key_of, run, slots, warps,
+                                         presorted=True)
     write_ids = _ids_writer(slots)
 
     @inline_device
     def merge_select(keys, first, world, topk_idx, seq_lens, query_len, init_blocks,
-                     local_blocks, v, t, acc, shared):
+                     local_blocks, raw, v, t, acc, shared):
         """Merge this block's (head, row) from ``keys[first:first + world]``; warp 0
         writes topk_idx and keeps the ids (or -1) in ``acc``."""
+        prefetch(keys, gathered_place(keys, first), world * keys.shape[3], raw)
         head, row, request, causal_len, valid_blocks, count, ctx = gathered_row(
             keys, first, world, seq_lens, query_len, init_blocks, local_blocks)
-        warp_topk(keys, ctx, count, v, t, acc, shared)
+        warp_topk(keys, ctx, count, raw, v, t, acc, shared)
         write_ids(acc, topk_idx, head, row, valid_blocks)
         return head, row, request, causal_len
 
@@ -409,17 +436,18 @@ def _merge_select(run, slots, warps):
 
 @lru_cache(maxsize=None)
 def _whole_row_select(run, slots, warps):
-    warp_topk = make_warp_topk(shard_candidate_key, run, slots, warps)
+    prefetch, warp_topk = make_warp_topk(shard_load, shard_key_of, run, slots, warps)
     write_ids = _ids_writer(slots)
 
     @inline_device
     def whole_row_select(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks,
-                         local_blocks, v, t, acc, shared):
+                         local_blocks, raw, v, t, acc, shared):
         """World 1: this block's (head, row) top-k of pinned keys straight from the
         scores; warp 0 writes topk_idx and keeps the ids (or -1) in ``acc``."""
+        prefetch(scores, shard_place(0, 1), scores.shape[2], raw)
         head, row, request, causal_len, valid_blocks, count, ctx = whole_row(
             scores, seq_lens, query_len, global_blocks, init_blocks, local_blocks)
-        warp_topk(scores, ctx, count, v, t, acc, shared)
+        warp_topk(scores, ctx, count, raw, v, t, acc, shared)
         write_ids(acc, topk_idx, head, row, valid_blocks)
         return head, row, request, causal_len
 
@@ -436,12 +464,13 @@ def select_kernel(run, slots, warps):
     @declare(*SELECT_PARAMS)
     def global_topk_ids_warp(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks,
                              local_blocks):
+        raw = cuda.local.array(slots, float32)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
         select(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks, local_blocks,
-               v, t, acc, shared)
+               raw, v, t, acc, shared)
 
     return global_topk_ids_warp
 
@@ -458,13 +487,14 @@ def select_table_kernel(run, slots, warps):
     def global_topk_ids_and_table_warp(scores, seq_lens, topk_idx, block_table, sparse_table,
                                        context_lens, query_len, global_blocks, init_blocks,
                                        local_blocks, page_stride):
+        raw = cuda.local.array(slots, float32)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
         head, row, request, causal_len = select(scores, seq_lens, topk_idx, query_len,
                                                 global_blocks, init_blocks, local_blocks,
-                                                v, t, acc, shared)
+                                                raw, v, t, acc, shared)
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             write_table(acc, topk_idx.shape[2], causal_len, request, head, row, block_table,
@@ -480,11 +510,11 @@ def _merge_with_table(run, slots, warps):
 
     @inline_device
     def merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
-                         context_lens, query_len, init_blocks, local_blocks, page_stride, v, t,
-                         acc, shared):
+                         context_lens, query_len, init_blocks, local_blocks, page_stride, raw, v,
+                         t, acc, shared):
         head, row, request, causal_len = merge_select(
-            keys, first, world, topk_idx, seq_lens, query_len, init_blocks, local_blocks, v, t,
-            acc, shared)
+            keys, first, world, topk_idx, seq_lens, query_len, init_blocks, local_blocks, raw,
+            v, t, acc, shared)
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             write_table(acc, topk_idx.shape[2], causal_len, request, head, row, block_table,
@@ -501,12 +531,13 @@ def merge_kernel(run, slots, warps):
     @cuda.jit
     @declare(*MERGE_PARAMS)
     def merge_topk_ids_warp(keys, topk_idx, seq_lens, query_len, init_blocks, local_blocks):
+        raw = cuda.local.array(slots, int64)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
         merge_select(keys, 0, keys.shape[0], topk_idx, seq_lens, query_len, init_blocks,
-                     local_blocks, v, t, acc, shared)
+                     local_blocks, raw, v, t, acc, shared)
 
     return merge_topk_ids_warp
 
@@ -521,13 +552,14 @@ def merge_table_kernel(run, slots, warps):
     def merge_topk_ids_and_table_warp(keys, topk_idx, seq_lens, block_table, sparse_table,
                                       context_lens, query_len, init_blocks, local_blocks,
                                       page_stride):
+        raw = cuda.local.array(slots, int64)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
         merge_with_table(keys, 0, keys.shape[0], topk_idx, seq_lens, block_table, sparse_table,
-                         context_lens, query_len, init_blocks, local_blocks, page_stride, v, t,
-                         acc, shared)
+                         context_lens, query_len, init_blocks, local_blocks, page_stride, raw,
+                         v, t, acc, shared)
 
     return merge_topk_ids_and_table_warp
 
@@ -535,20 +567,23 @@ def merge_table_kernel(run, slots, warps):
 @lru_cache(maxsize=None)
 def merge_keys_kernel(run, slots, warps):
     """The two-level exchange's first merge: gathered keys -> the top ``topk`` keys."""
-    warp_topk = make_warp_topk(gathered_candidate_key, run, slots, warps, presorted=True)
+    prefetch, warp_topk = make_warp_topk(gathered_load, gathered_key_of, run, slots, warps,
+                                         presorted=True)
     shared_size = warps * run
 
     @cuda.jit
     @declare(*MERGE_KEYS_PARAMS)
     def merge_topk_keys_to_keys_warp(keys, out, seq_lens, topk, query_len, init_blocks,
                                      local_blocks):
+        raw = cuda.local.array(slots, int64)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
+        prefetch(keys, gathered_place(keys, 0), keys.shape[0] * keys.shape[3], raw)
         head, row, _, _, _, count, ctx = gathered_row(keys, 0, keys.shape[0], seq_lens,
                                                       query_len, init_blocks, local_blocks)
-        warp_topk(keys, ctx, count, v, t, acc, shared)
+        warp_topk(keys, ctx, count, raw, v, t, acc, shared)
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             for s in range(slots):
@@ -571,12 +606,13 @@ def merge_delivered_kernel(run, slots, warps):
                                       block_wait):
         world = keys.shape[0] >> 1
         first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
+        raw = cuda.local.array(slots, int64)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
         merge_select(keys, first, world, topk_idx, seq_lens, query_len, init_blocks,
-                     local_blocks, v, t, acc, shared)
+                     local_blocks, raw, v, t, acc, shared)
 
     return merge_delivered_topk_ids_warp
 
@@ -594,12 +630,13 @@ def merge_delivered_table_kernel(run, slots, warps):
                                                 page_stride, timeout_ns, block_wait):
         world = keys.shape[0] >> 1
         first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
+        raw = cuda.local.array(slots, int64)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
         merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
-                         context_lens, query_len, init_blocks, local_blocks, page_stride, v, t,
-                         acc, shared)
+                         context_lens, query_len, init_blocks, local_blocks, page_stride, raw,
+                         v, t, acc, shared)
 
     return merge_delivered_topk_ids_and_table_warp
