@@ -83,7 +83,7 @@ def parse_args(argv=None):
 def case_shape(name, world, small):
     from bench_kernels import CASES, INIT_BLOCKS, LOCAL_BLOCKS
 
-    context, _, topk, batch, query_len, heads, table, _, _ = CASES[name]
+    context, _, topk, batch, query_len, heads, table = CASES[name]
     if small:
         context, batch, topk = 16 * 128, 2, min(topk, 8)
     return dict(context=context, topk=topk, batch=batch, query_len=query_len, heads=heads,
