@@ -118,7 +118,11 @@ def as_kernel_array(obj, name: str) -> KernelArray:
         raise TypeError(f"{name}: a host NumPy array was given but the {TARGET.name} backend takes "
                         "device arrays (CuPy, PyTorch CUDA, anything with "
                         "__cuda_array_interface__)")
-    if not hasattr(obj, "__cuda_array_interface__"):
+    try:
+        has_interface = hasattr(obj, "__cuda_array_interface__")
+    except RuntimeError as exc:  # PyTorch's refusal of a tensor that requires grad
+        raise TypeError(f"{name}: {exc}") from None
+    if not has_interface:
         if not hasattr(obj, "__dlpack__"):
             raise TypeError(f"{name}: expected a device array, got {type(obj).__name__}")
         obj = _from_dlpack(obj, name)

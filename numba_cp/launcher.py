@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import _numba, kernel_cache
+from . import _numba, _torch, kernel_cache
 from .arrays import FixedView, as_kernel_array, resolve_stream, with_leading_axis
 from .backend import TARGET
 from .kernels.params import Array
@@ -53,7 +53,17 @@ def array_signature(obj):
         # CuPy builds its interface dict on every access (about 2 us); its attributes
         # say the same for the key. dtype.str is the interface's typestr.
         return (obj.dtype.str, obj.shape, obj.strides, False), obj.data.ptr
-    interface = getattr(obj, "__cuda_array_interface__", None)
+    torch = _torch.found()
+    if torch is not None and type(obj) is torch.tensor:
+        # PyTorch builds its interface in Python on every access (several us);
+        # the tensor's attributes give the same key.
+        signature = _torch.signature(obj, torch)
+        if signature is not None:
+            return signature
+    try:
+        interface = getattr(obj, "__cuda_array_interface__", None)
+    except RuntimeError:  # PyTorch's refusal of a tensor that requires grad
+        return None  # validation names the argument
     if interface is None:
         return None
     strides = interface.get("strides")
