@@ -4,9 +4,13 @@ PyTorch is optional and slow to import, so it is only used once the caller
 has imported it: whoever holds a tensor has ``torch`` in ``sys.modules``.
 What is looked up is looked up once.
 
-:func:`numba_cp.launcher.array_signature` keys a tensor from its attributes
-(:func:`signature`): PyTorch builds ``__cuda_array_interface__`` anew, in
-Python, on every access.
+Two things read it:
+
+* :func:`numba_cp.launcher.array_signature` keys a tensor from its attributes
+  (:func:`signature`): PyTorch builds ``__cuda_array_interface__`` anew, in
+  Python, on every access.
+* :func:`numba_cp.arrays.resolve_stream` launches a call whose first array is a
+  tensor on PyTorch's current stream, where a PyTorch caller queues its work.
 """
 
 from __future__ import annotations
@@ -33,6 +37,22 @@ class Torch:
         self.strided = torch.strided
         self.typestrs = {getattr(torch, name): value for name, value in _TYPESTRS.items()
                          if hasattr(torch, name)}
+        self.current_stream = _current_stream_getter(torch)
+
+
+def _current_stream_getter(torch):
+    """``() -> int``: the raw handle of PyTorch's current stream on the current device.
+
+    ``torch.cuda.current_stream().cuda_stream`` builds a Stream object per call;
+    the two private functions PyTorch's own compiled code calls for it return
+    the same handle directly. Where they are missing, the public call.
+    """
+    private = getattr(torch, "_C", None)
+    raw = getattr(private, "_cuda_getCurrentRawStream", None)
+    device = getattr(private, "_cuda_getDevice", None)
+    if callable(raw) and callable(device):
+        return lambda: raw(device())
+    return lambda: torch.cuda.current_stream().cuda_stream
 
 
 _FOUND: Torch | None = None

@@ -179,14 +179,18 @@ class KernelLaunch:
                 for p in self.params]
 
     def __call__(self, objects, stream=None, pointers=None):
-        """Launch on ``objects``; ``pointers`` (from :func:`array_signature`) may be given."""
+        """Launch on ``objects``; ``pointers`` (from :func:`array_signature`) may be given.
+
+        With no ``stream``, the first array picks it
+        (:func:`numba_cp.arrays.default_stream_for`).
+        """
         if self._direct is not None:
             return self._direct(objects, stream, pointers)
         args = self._kernel_args(objects)
         if TARGET.simulator:
             self.kernel[self.grid, self.block](*args)
             return None
-        stream = resolve_stream(stream)
+        stream = resolve_stream(stream, objects[0])
         self.kernel[self.grid, self.block, stream](*args)
         if not self._direct_failed:
             try:
@@ -236,7 +240,7 @@ class _DirectLaunch:
         self.use_driver = True
 
     def __call__(self, objects, stream, pointers=None):
-        stream = resolve_stream(stream)
+        stream = resolve_stream(stream, objects[0])
         with self.lock:
             for slot, i in self.pointer_slots:
                 self.values[slot] = (pointers[i] if pointers is not None

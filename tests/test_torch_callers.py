@@ -1,4 +1,4 @@
-"""PyTorch callers: tensors keyed from their attributes.
+"""PyTorch callers: tensors keyed from their attributes, launches on PyTorch's current stream.
 
 PyTorch is optional, so most of these tests drive the code with a stand-in: a
 tensor class over a NumPy array whose ``__cuda_array_interface__`` is PyTorch's
@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import numba_cp
-from numba_cp import _torch, arrays, launcher
+from numba_cp import _torch, arrays, launcher, ops
+from numba_cp import reference as ref
 from numba_cp.backend import TARGET
-from numba_cp.launcher import array_signature, call_signature
+from numba_cp.launcher import LaunchCache, array_signature, call_signature
 
 # -- a stand-in for torch ---------------------------------------------------------------
 
@@ -302,6 +303,146 @@ def test_a_module_mid_import_is_not_looked_up(monkeypatch):
     assert _torch._FOUND is None, "looked up again once the import is done"
 
 
+# -- the stream ---------------------------------------------------------------------------
+
+class FakeNumbaStream:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def gpu_streams(monkeypatch):
+    """``resolve_stream`` as on a GPU target, with Numba's streams faked."""
+    made = []
+
+    def external_stream(handle):
+        made.append(handle)
+        return FakeNumbaStream(handle)
+
+    fake_cuda = types.SimpleNamespace(external_stream=external_stream,
+                                      default_stream=lambda: FakeNumbaStream("default"))
+    monkeypatch.setattr(arrays, "TARGET", dataclasses.replace(TARGET, name="hip"))
+    monkeypatch.setattr(arrays, "cuda", fake_cuda)
+    monkeypatch.setattr(arrays, "_EXTERNAL_STREAMS", {})
+    return made
+
+
+@pytest.fixture
+def cupy(monkeypatch):
+    module = types.ModuleType("cupy")
+    module.cuda = types.SimpleNamespace(
+        get_current_stream=lambda: types.SimpleNamespace(ptr=0xC0))
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    return module
+
+
+def test_a_tensor_first_launches_on_torchs_current_stream(torch, cupy, gpu_streams):
+    tensor = FakeTensor(_base())
+    assert arrays.resolve_stream(None, tensor).handle == 0x5150
+    torch.current = 0xABC  # inside `with torch.cuda.stream(s)`
+    assert arrays.resolve_stream(None, tensor).handle == 0xABC
+    assert arrays.resolve_stream(None, Parameter(_base())).handle == 0xABC
+    torch.current = 0  # PyTorch's default stream
+    assert arrays.resolve_stream(None, tensor).handle == "default"
+    assert torch.public_calls == 0, "the raw handle, not a Stream object per call"
+
+
+def test_anything_else_launches_on_cupys_current_stream(monkeypatch, torch, cupy, gpu_streams):
+    for like in (None, _base(), InterfaceOnly(FakeTensor(_base()))):
+        assert arrays.resolve_stream(None, like).handle == 0xC0
+    monkeypatch.delitem(sys.modules, "cupy")
+    assert arrays.resolve_stream(None, _base()).handle == "default"
+    assert arrays.resolve_stream(None, FakeTensor(_base())).handle == 0x5150
+
+
+def test_a_given_stream_wins(torch, cupy, gpu_streams):
+    tensor = FakeTensor(_base())
+    assert arrays.resolve_stream(77, tensor).handle == 77
+    assert arrays.resolve_stream(FakeStream(0x99), tensor).handle == 0x99
+    numba_stream = FakeNumbaStream(5)
+    assert arrays.resolve_stream(numba_stream, tensor) is numba_stream
+    with pytest.raises(TypeError, match="^stream: expected"):
+        arrays.resolve_stream("s", tensor)
+
+
+def test_without_the_private_getter_the_public_current_stream(monkeypatch, cupy, gpu_streams):
+    module = fake_torch(current=0x77, private=False)
+    monkeypatch.setitem(sys.modules, "torch", module)
+    monkeypatch.setattr(_torch, "_FOUND", None)
+    assert arrays.resolve_stream(None, FakeTensor(_base())).handle == 0x77
+    assert module.public_calls == 1
+
+
+def test_the_launch_asks_its_first_array_for_the_stream(monkeypatch):
+    """Both wrappers hand their first array (scores, keys) to resolve_stream. The
+    simulator never resolves a stream, so the launch is made to believe it runs on a GPU
+    (its kernels still simulate)."""
+    monkeypatch.setattr(launcher, "TARGET", dataclasses.replace(TARGET, name="hip"))
+    asked = []
+
+    def resolve_stream(stream, like=None):
+        asked.append((stream, like))
+        return 0
+
+    monkeypatch.setattr(launcher, "resolve_stream", resolve_stream)
+    monkeypatch.setattr(ops, "_PACK_LAUNCHES", LaunchCache())
+    monkeypatch.setattr(ops, "_MERGE_LAUNCHES", LaunchCache())
+    full = np.random.default_rng(3).standard_normal((1, 2, 20)).astype(np.float32)
+    seq = np.array([20 * 128, 900], np.int32)
+    window = dict(query_len=1, init_blocks=1, local_blocks=1)
+    keys = np.zeros((2, 1, 2, 4), np.int64)
+    shards = [ref.shard_scores(full, rank=r, world=2, global_blocks=20) for r in range(2)]
+    for r in range(2):
+        numba_cp.local_topk_keys(shards[r], seq, topk=4, rank=r, world=2, global_blocks=20,
+                                 out=keys[r], **window)
+    idx = np.zeros((1, 2, 4), np.int32)
+    numba_cp.merge_topk_keys(keys, idx, seq, stream=3, **window)
+    assert [s for s, _ in asked] == [None, None, 3]
+    assert asked[0][1] is shards[0] and asked[1][1] is shards[1] and asked[2][1] is keys
+    np.testing.assert_array_equal(idx, ref.global_topk(full, seq, topk=4, global_blocks=20,
+                                                       **window))
+
+
+def test_every_step_of_an_exchange_takes_the_callers_stream(monkeypatch):
+    """The plan's own buffers (the gathered keys, the IPC views) never pick the stream:
+    left to them, a PyTorch caller's merge would run on CuPy's stream after a pack on
+    PyTorch's."""
+    MPI = pytest.importorskip("mpi4py.MPI")
+    from numba_cp import exchange
+
+    asked, used = [], []
+
+    def resolve_stream(stream, like=None):
+        asked.append((stream, like))
+        return "caller's" if stream is None else stream
+
+    def recording(fn):
+        def call(*args, **kwargs):
+            used.append((fn.__name__, kwargs["stream"]))
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(exchange, "resolve_stream", resolve_stream)
+    for name in ("local_topk_keys", "merge_topk_keys", "global_topk_ids"):
+        monkeypatch.setattr(exchange, name, recording(getattr(exchange, name)))
+    config = exchange.ExchangeConfig(heads=1, max_tokens=2, topk=4, world=1, global_blocks=20,
+                                     init_blocks=1, local_blocks=1)
+    scores = np.random.default_rng(5).standard_normal((1, 2, 20)).astype(np.float32)
+    seq = np.array([20 * 128, 900], np.int32)
+    with exchange.CandidateExchange(MPI.COMM_SELF, config) as plan:
+        plan(scores, seq)
+        plan.pack(scores, seq)
+        plan.all_gather(2, seq_lens=seq, stream=7)
+        plan.merge(seq, 2)
+    assert [(s, like is scores, like is seq) for s, like in asked] == [
+        (None, True, False), (None, True, False), (7, False, True), (None, False, True)]
+    assert used == [("global_topk_ids", "caller's"), ("local_topk_keys", "caller's"),
+                    ("merge_topk_keys", "caller's")]
+
+
 # -- on a GPU, with PyTorch and CuPy --------------------------------------------------------
 
 def _real_torch():
@@ -333,3 +474,64 @@ def test_real_tensor_keys_equal_their_interface_keys():
                                  topk=4, rank=0, world=1, query_len=1, global_blocks=32,
                                  init_blocks=1, local_blocks=1,
                                  out=torch.zeros((1, 1, 4), dtype=torch.int64, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_the_raw_stream_handle_is_torchs_current_stream():
+    torch = _real_torch()
+    found = _torch.found()
+    side = torch.cuda.Stream()
+    assert found.current_stream() == torch.cuda.current_stream().cuda_stream
+    with torch.cuda.stream(side):
+        assert found.current_stream() == side.cuda_stream == \
+            torch.cuda.current_stream().cuda_stream
+        stream = arrays.resolve_stream(None, torch.zeros(1, device="cuda"))
+        assert arrays.stream_handle(stream) == side.cuda_stream
+
+
+@pytest.mark.gpu
+def test_torch_callers_launch_on_torchs_stream_and_get_exact_results(monkeypatch):
+    torch = _real_torch()
+    import cupy
+
+    handles = []
+    real = launcher.resolve_stream
+
+    def resolve_stream(stream, like=None):
+        resolved = real(stream, like)
+        handles.append(int(getattr(resolved.handle, "value", resolved.handle) or 0))
+        return resolved
+
+    monkeypatch.setattr(launcher, "resolve_stream", resolve_stream)
+    monkeypatch.setattr(ops, "_PACK_LAUNCHES", LaunchCache())
+    monkeypatch.setattr(ops, "_MERGE_LAUNCHES", LaunchCache())
+    rng = np.random.default_rng(11)
+    window = dict(query_len=1, init_blocks=1, local_blocks=2)
+    seq = np.array([64 * 128, 3000, 900, 128], np.int32)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        t_seq = torch.from_numpy(seq).cuda()
+        for call in range(3):  # the first through Numba's dispatch, then the direct path
+            full = rng.standard_normal((2, 4, 64)).astype(np.float32)
+            keys = torch.zeros((2, 2, 4, 16), dtype=torch.int64, device="cuda")
+            for r in range(2):
+                shard = torch.from_numpy(ref.shard_scores(full, rank=r, world=2,
+                                                          global_blocks=64)).cuda()
+                numba_cp.local_topk_keys(shard, t_seq, topk=16, rank=r, world=2,
+                                         global_blocks=64, out=keys[r], **window)
+            idx = torch.full((2, 4, 16), 7, dtype=torch.int32, device="cuda")
+            numba_cp.merge_topk_keys(keys, idx, t_seq, **window)
+            side.synchronize()
+            np.testing.assert_array_equal(idx.cpu().numpy(), ref.global_topk(
+                full, seq, topk=16, global_blocks=64, **window))
+    assert handles and set(handles) == {side.cuda_stream}
+    assert len(ops._PACK_LAUNCHES) == 2 and len(ops._MERGE_LAUNCHES) == 1  # per rank; once
+    handles.clear()
+    theirs = cupy.cuda.Stream(non_blocking=True)
+    with theirs:
+        out = cupy.zeros((2, 4, 16), cupy.int64)
+        numba_cp.local_topk_keys(cupy.asarray(ref.shard_scores(full, rank=0, world=2,
+                                                               global_blocks=64)),
+                                 cupy.asarray(seq), topk=16, rank=0, world=2,
+                                 global_blocks=64, out=out, **window)
+    assert handles == [theirs.ptr], "a CuPy caller keeps CuPy's stream"
