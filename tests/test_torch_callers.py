@@ -9,8 +9,11 @@ interface gives, or one tensor would be cached (and validated) twice. The
 """
 
 import dataclasses
+import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -441,6 +444,29 @@ def test_every_step_of_an_exchange_takes_the_callers_stream(monkeypatch):
         (None, True, False), (None, True, False), (7, False, True), (None, False, True)]
     assert used == [("global_topk_ids", "caller's"), ("local_topk_keys", "caller's"),
                     ("merge_topk_keys", "caller's")]
+
+
+# -- the benchmark ------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _profile_call(*args):
+    env = dict(os.environ, NUMBA_CP_BACKEND="sim")
+    return subprocess.run([sys.executable, "benchmarks/profile_call.py", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_profile_call_parses_its_options_and_refuses_the_simulator():
+    shown = _profile_call("--help")
+    assert shown.returncode == 0, shown.stderr
+    assert all(option in shown.stdout for option in ("--torch", "--json", "--repeats"))
+    refused = _profile_call("--torch", "--calls", "10", "--json", "calls.json")
+    assert refused.returncode == 1
+    assert "times a GPU's host calls: run it with NUMBA_CP_BACKEND=cuda" in refused.stderr
+    assert not (ROOT / "calls.json").exists()
+    lonely = _profile_call("--json", "calls.json")
+    assert lonely.returncode == 2 and "add --torch" in lonely.stderr
 
 
 # -- on a GPU, with PyTorch and CuPy --------------------------------------------------------
