@@ -23,6 +23,7 @@ from numba_cp import _torch, arrays, launcher, ops
 from numba_cp import reference as ref
 from numba_cp.backend import TARGET
 from numba_cp.launcher import LaunchCache, array_signature, call_signature
+from support import to_device, to_host
 
 # -- a stand-in for torch ---------------------------------------------------------------
 
@@ -396,17 +397,18 @@ def test_the_launch_asks_its_first_array_for_the_stream(monkeypatch):
     full = np.random.default_rng(3).standard_normal((1, 2, 20)).astype(np.float32)
     seq = np.array([20 * 128, 900], np.int32)
     window = dict(query_len=1, init_blocks=1, local_blocks=1)
-    keys = np.zeros((2, 1, 2, 4), np.int64)
-    shards = [ref.shard_scores(full, rank=r, world=2, global_blocks=20) for r in range(2)]
+    keys, seq_d = to_device(np.zeros((2, 1, 2, 4), np.int64)), to_device(seq)
+    shards = [to_device(ref.shard_scores(full, rank=r, world=2, global_blocks=20))
+              for r in range(2)]
     for r in range(2):
-        numba_cp.local_topk_keys(shards[r], seq, topk=4, rank=r, world=2, global_blocks=20,
+        numba_cp.local_topk_keys(shards[r], seq_d, topk=4, rank=r, world=2, global_blocks=20,
                                  out=keys[r], **window)
-    idx = np.zeros((1, 2, 4), np.int32)
-    numba_cp.merge_topk_keys(keys, idx, seq, stream=3, **window)
+    idx = to_device(np.zeros((1, 2, 4), np.int32))
+    numba_cp.merge_topk_keys(keys, idx, seq_d, stream=3, **window)
     assert [s for s, _ in asked] == [None, None, 3]
     assert asked[0][1] is shards[0] and asked[1][1] is shards[1] and asked[2][1] is keys
-    np.testing.assert_array_equal(idx, ref.global_topk(full, seq, topk=4, global_blocks=20,
-                                                       **window))
+    np.testing.assert_array_equal(to_host(idx), ref.global_topk(
+        full, seq, topk=4, global_blocks=20, **window))
 
 
 def test_every_step_of_an_exchange_takes_the_callers_stream(monkeypatch):
@@ -417,10 +419,13 @@ def test_every_step_of_an_exchange_takes_the_callers_stream(monkeypatch):
     from numba_cp import exchange
 
     asked, used = [], []
+    real = exchange.resolve_stream
 
     def resolve_stream(stream, like=None):
-        asked.append((stream, like))
-        return "caller's" if stream is None else stream
+        # the simulator's one stream is 0 whoever asks: a token per answer instead
+        resolved = object() if TARGET.simulator else real(stream, like)
+        asked.append((stream, like, resolved))
+        return resolved
 
     def recording(fn):
         def call(*args, **kwargs):
@@ -433,17 +438,19 @@ def test_every_step_of_an_exchange_takes_the_callers_stream(monkeypatch):
         monkeypatch.setattr(exchange, name, recording(getattr(exchange, name)))
     config = exchange.ExchangeConfig(heads=1, max_tokens=2, topk=4, world=1, global_blocks=20,
                                      init_blocks=1, local_blocks=1)
-    scores = np.random.default_rng(5).standard_normal((1, 2, 20)).astype(np.float32)
-    seq = np.array([20 * 128, 900], np.int32)
+    scores = to_device(np.random.default_rng(5).standard_normal((1, 2, 20)).astype(np.float32))
+    seq = to_device(np.array([20 * 128, 900], np.int32))
     with exchange.CandidateExchange(MPI.COMM_SELF, config) as plan:
         plan(scores, seq)
         plan.pack(scores, seq)
-        plan.all_gather(2, seq_lens=seq, stream=7)
+        plan.all_gather(2, seq_lens=seq, stream=0)
         plan.merge(seq, 2)
-    assert [(s, like is scores, like is seq) for s, like in asked] == [
-        (None, True, False), (None, True, False), (7, False, True), (None, False, True)]
-    assert used == [("global_topk_ids", "caller's"), ("local_topk_keys", "caller's"),
-                    ("merge_topk_keys", "caller's")]
+    assert [(s, like is scores, like is seq) for s, like, _ in asked] == [
+        (None, True, False), (None, True, False), (0, False, True), (None, False, True)]
+    assert [name for name, _ in used] == ["global_topk_ids", "local_topk_keys",
+                                          "merge_topk_keys"]
+    for (_, stream), (_, _, resolved) in zip(used, [asked[0], asked[1], asked[3]]):
+        assert stream is resolved
 
 
 # -- the benchmark ------------------------------------------------------------------------
