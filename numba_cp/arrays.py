@@ -12,13 +12,15 @@ import sys
 
 import numpy as np
 
+from . import _torch
 from ._numba import simulated_device_view
 from .backend import TARGET, cuda
 
 __all__ = ["KernelArray", "as_kernel_array", "with_leading_axis", "device_view", "FixedView",
            "fixed_view",
            "byte_range",
-           "resolve_stream", "stream_handle", "synchronize", "device_copy", "host_copy"]
+           "resolve_stream", "default_stream_for", "stream_handle", "synchronize", "device_copy",
+           "host_copy"]
 
 
 class KernelArray:
@@ -118,7 +120,11 @@ def as_kernel_array(obj, name: str) -> KernelArray:
         raise TypeError(f"{name}: a host NumPy array was given but the {TARGET.name} backend takes "
                         "device arrays (CuPy, PyTorch CUDA, anything with "
                         "__cuda_array_interface__)")
-    if not hasattr(obj, "__cuda_array_interface__"):
+    try:
+        has_interface = hasattr(obj, "__cuda_array_interface__")
+    except RuntimeError as exc:  # PyTorch's refusal of a tensor that requires grad
+        raise TypeError(f"{name}: {exc}") from None
+    if not has_interface:
         if not hasattr(obj, "__dlpack__"):
             raise TypeError(f"{name}: expected a device array, got {type(obj).__name__}")
         obj = _from_dlpack(obj, name)
@@ -172,8 +178,9 @@ def byte_range(array, name: str) -> tuple[int, int]:
 _EXTERNAL_STREAMS: dict = {}
 
 
-def resolve_stream(stream):
-    """The stream kernels launch on: ``stream`` if given, else CuPy's current one.
+def resolve_stream(stream, like=None):
+    """The stream kernels launch on: ``stream`` if given, else :func:`default_stream_for`
+    ``like`` (a call's first array).
 
     Accepts a Numba stream, a CuPy stream, a PyTorch stream (anything with a
     ``ptr``/``cuda_stream`` handle) or a raw integer handle. The simulator has
@@ -182,10 +189,7 @@ def resolve_stream(stream):
     if TARGET.simulator:
         return 0
     if stream is None:
-        cupy = sys.modules.get("cupy")
-        if cupy is None:
-            return cuda.default_stream()
-        stream = cupy.cuda.get_current_stream()
+        stream = default_stream_for(like)
     if hasattr(stream, "handle") and hasattr(stream, "synchronize") and not hasattr(stream, "ptr"):
         return stream  # already a Numba stream
     for attribute in ("ptr", "cuda_stream"):
@@ -201,6 +205,24 @@ def resolve_stream(stream):
         return wrapped
     raise TypeError(f"stream: expected a Numba, CuPy or PyTorch stream or an int handle, "
                     f"got {type(stream).__name__}")
+
+
+def default_stream_for(like=None):
+    """Where a call whose first array is ``like`` launches when given no stream.
+
+    A PyTorch tensor: PyTorch's current stream, where a PyTorch caller queues
+    the work around the call (``torch.cuda.stream(...)`` contexts included).
+    Anything else: CuPy's current stream, or Numba's default stream where
+    CuPy was never imported. Returns what :func:`resolve_stream` accepts.
+    """
+    if like is not None:
+        torch = _torch.found()
+        if torch is not None and isinstance(like, torch.tensor):
+            return torch.current_stream()
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return cuda.default_stream()
+    return cupy.cuda.get_current_stream()
 
 
 def stream_handle(stream) -> int:

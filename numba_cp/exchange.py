@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import validate
-from .arrays import device_copy
+from .arrays import device_copy, resolve_stream
 from .backend import TARGET
 from .comm import (LeaderAllGather, agree, barrier, checked_request, choose_transport,
                    describe_problem,
@@ -133,6 +133,14 @@ class CandidateExchange:
             gather and merge as separate steps; ``True``: fused or an error.
         method, threads, sort_limit: kernel choice and launch tuning, passed
             through to :func:`~numba_cp.local_topk_keys` and the merge.
+
+    Every step of a call runs on one stream: the ``stream`` given, else
+    PyTorch's current stream when ``scores`` is a PyTorch tensor (``seq_lens``
+    for :meth:`all_gather` and :meth:`merge`), else CuPy's current stream
+    (:func:`numba_cp.arrays.default_stream_for`). The plan's own buffers never
+    choose it, so a PyTorch caller's pack, gather and merge stay on PyTorch's
+    stream; calling the steps one by one, give :meth:`all_gather` ``seq_lens``
+    or the stream.
     """
 
     def __init__(self, comm, config: ExchangeConfig, *, transport=None, fused=None,
@@ -297,7 +305,7 @@ class CandidateExchange:
     def pack(self, scores, seq_lens, *, stream=None):
         """This rank's shard ``[heads, tokens, local]`` -> its keys (the send buffer)."""
         self._refuse_if_failed()
-        return self._pack(scores, seq_lens, stream)
+        return self._pack(scores, seq_lens, resolve_stream(stream, scores))
 
     def _pack(self, scores, seq_lens, stream):
         args, kwargs = self._pack_arguments(scores, seq_lens, self._tokens_of(scores))
@@ -312,7 +320,7 @@ class CandidateExchange:
         call with each ``tokens`` checks that on every rank).
         """
         self._refuse_if_failed()
-        return self._all_gather(tokens, stream, seq_lens)
+        return self._all_gather(tokens, resolve_stream(stream, seq_lens), seq_lens)
 
     def _all_gather(self, tokens, stream, seq_lens=None):
         views = self._views_for(tokens)
@@ -332,7 +340,8 @@ class CandidateExchange:
     def merge(self, seq_lens, tokens: int, *, attention_block_table=None, stream=None):
         """Gathered keys -> ``topk_idx`` of this rank's heads (and the sparse table)."""
         self._refuse_if_failed()
-        return self._merge(seq_lens, tokens, attention_block_table, stream)
+        return self._merge(seq_lens, tokens, attention_block_table,
+                           resolve_stream(stream, seq_lens))
 
     def _merge(self, seq_lens, tokens, attention_block_table, stream):
         args, kwargs = self._merge_arguments(seq_lens, tokens, attention_block_table)
@@ -390,6 +399,9 @@ class CandidateExchange:
             self._agree_on_call(scores, seq_lens, attention_block_table)
             if key is not None:
                 self._agreed.add(key)
+        # Once for every step: left to each, the steps on the plan's own buffers
+        # would pick CuPy's stream while a PyTorch caller's pack took PyTorch's.
+        stream = resolve_stream(stream, scores)
         if self.fused:
             return self._exchange_delivered(scores, seq_lens, attention_block_table, stream)
         if self._whole_rows:

@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import _numba, kernel_cache
+from . import _numba, _torch, kernel_cache
 from .arrays import FixedView, as_kernel_array, resolve_stream, with_leading_axis
 from .backend import TARGET
 from .kernels.params import Array
@@ -53,7 +53,17 @@ def array_signature(obj):
         # CuPy builds its interface dict on every access (about 2 us); its attributes
         # say the same for the key. dtype.str is the interface's typestr.
         return (obj.dtype.str, obj.shape, obj.strides, False), obj.data.ptr
-    interface = getattr(obj, "__cuda_array_interface__", None)
+    torch = _torch.found()
+    if torch is not None and type(obj) is torch.tensor:
+        # PyTorch builds its interface in Python on every access (several us);
+        # the tensor's attributes give the same key.
+        signature = _torch.signature(obj, torch)
+        if signature is not None:
+            return signature
+    try:
+        interface = getattr(obj, "__cuda_array_interface__", None)
+    except RuntimeError:  # PyTorch's refusal of a tensor that requires grad
+        return None  # validation names the argument
     if interface is None:
         return None
     strides = interface.get("strides")
@@ -169,14 +179,18 @@ class KernelLaunch:
                 for p in self.params]
 
     def __call__(self, objects, stream=None, pointers=None):
-        """Launch on ``objects``; ``pointers`` (from :func:`array_signature`) may be given."""
+        """Launch on ``objects``; ``pointers`` (from :func:`array_signature`) may be given.
+
+        With no ``stream``, the first array picks it
+        (:func:`numba_cp.arrays.default_stream_for`).
+        """
         if self._direct is not None:
             return self._direct(objects, stream, pointers)
         args = self._kernel_args(objects)
         if TARGET.simulator:
             self.kernel[self.grid, self.block](*args)
             return None
-        stream = resolve_stream(stream)
+        stream = resolve_stream(stream, objects[0])
         self.kernel[self.grid, self.block, stream](*args)
         if not self._direct_failed:
             try:
@@ -226,7 +240,7 @@ class _DirectLaunch:
         self.use_driver = True
 
     def __call__(self, objects, stream, pointers=None):
-        stream = resolve_stream(stream)
+        stream = resolve_stream(stream, objects[0])
         with self.lock:
             for slot, i in self.pointer_slots:
                 self.values[slot] = (pointers[i] if pointers is not None

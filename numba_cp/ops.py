@@ -142,8 +142,10 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
         init_blocks, local_blocks: pinned sink and recent blocks, ``>= 0``.
         out: int64 ``[heads, tokens, >= topk]``; ``out[h, row, :topk]`` receives
             the keys in descending order, padded with 0.
-        stream: launch stream (default: CuPy's current stream, else the
-            default stream).
+        stream: launch stream. Default: PyTorch's current stream when the
+            first array (``scores`` here) is a PyTorch tensor, where a PyTorch
+            caller queues the work around the call; else CuPy's current
+            stream, else the default stream.
         method: ``"warp"`` (warps sort in registers; ``topk`` up to 16 keys
             per lane of a warp, 512 on NVIDIA), ``"radix"`` (block radix
             select, any ``topk``) or ``"auto"`` (warp where it fits).
@@ -375,7 +377,8 @@ def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_b
             ``[tokens, >= topk * 8]`` when ``heads == 1``.
         sparse_context_lens_out: int32 ``[heads, tokens]`` (or ``[tokens]``).
         block_page_stride: page index stride per block (default 8).
-        stream, method, threads, sort_limit: as for :func:`local_topk_keys`.
+        stream, method, threads, sort_limit: as for :func:`local_topk_keys`;
+            with no ``stream``, ``keys`` picks the default.
 
     Returns:
         ``topk_idx``.

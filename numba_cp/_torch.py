@@ -1,0 +1,91 @@
+"""PyTorch, for callers that pass tensors; never imported here.
+
+PyTorch is optional and slow to import, so it is only used once the caller
+has imported it: whoever holds a tensor has ``torch`` in ``sys.modules``.
+What is looked up is looked up once.
+
+Two things read it:
+
+* :func:`numba_cp.launcher.array_signature` keys a tensor from its attributes
+  (:func:`signature`): PyTorch builds ``__cuda_array_interface__`` anew, in
+  Python, on every access.
+* :func:`numba_cp.arrays.resolve_stream` launches a call whose first array is a
+  tensor on PyTorch's current stream, where a PyTorch caller queues its work.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["Torch", "found", "signature"]
+
+# The typestr and itemsize PyTorch's __cuda_array_interface__ gives each dtype:
+# only the dtypes every PyTorch release maps the same way (bool, bfloat16 and
+# the wide unsigned types came later or changed), so a key from here is always
+# the interface's. Other dtypes go through the interface, whose answer (or
+# refusal) validation then reports.
+_TYPESTRS = {"float16": ("<f2", 2), "float32": ("<f4", 4), "float64": ("<f8", 8),
+             "uint8": ("|u1", 1), "int8": ("|i1", 1), "int16": ("<i2", 2),
+             "int32": ("<i4", 4), "int64": ("<i8", 8)}
+
+
+class Torch:
+    """What is read from an imported ``torch`` module."""
+
+    def __init__(self, torch):
+        self.tensor = torch.Tensor
+        self.strided = torch.strided
+        self.typestrs = {getattr(torch, name): value for name, value in _TYPESTRS.items()
+                         if hasattr(torch, name)}
+        self.current_stream = _current_stream_getter(torch)
+
+
+def _current_stream_getter(torch):
+    """``() -> int``: the raw handle of PyTorch's current stream on the current device.
+
+    ``torch.cuda.current_stream().cuda_stream`` builds a Stream object per call;
+    the two private functions PyTorch's own compiled code calls for it return
+    the same handle directly. Where they are missing, the public call.
+    """
+    private = getattr(torch, "_C", None)
+    raw = getattr(private, "_cuda_getCurrentRawStream", None)
+    device = getattr(private, "_cuda_getDevice", None)
+    if callable(raw) and callable(device):
+        return lambda: raw(device())
+    return lambda: torch.cuda.current_stream().cuda_stream
+
+
+_FOUND: Torch | None = None
+
+
+def found() -> Torch | None:
+    """The looked-up pieces of ``torch``, or None while nothing has imported it."""
+    global _FOUND
+    if _FOUND is None:
+        torch = sys.modules.get("torch")
+        if torch is None or not hasattr(torch, "Tensor"):  # absent, or mid-import
+            return None
+        _FOUND = Torch(torch)
+    return _FOUND
+
+
+def signature(tensor, torch: Torch):
+    """``((typestr, shape, strides, read-only), data pointer)`` of a ``torch.Tensor``,
+    equal to what its ``__cuda_array_interface__`` gives; None where that
+    interface would refuse it or uses a dtype not in the table (the caller then
+    reads the interface).
+
+    The interface omits the strides of a contiguous tensor (PyTorch's notion:
+    dimensions of size 1 do not count), gives pointer 0 for an empty one, and
+    is never read-only.
+    """
+    dtype = torch.typestrs.get(tensor.dtype)
+    if (dtype is None or not tensor.is_cuda or tensor.requires_grad
+            or tensor.layout is not torch.strided):
+        return None
+    typestr, itemsize = dtype
+    shape = tuple(tensor.shape)
+    strides = None if tensor.is_contiguous() else tuple(
+        [step * itemsize for step in tensor.stride()])
+    pointer = tensor.data_ptr() if tensor.numel() else 0
+    return (typestr, shape, strides, False), pointer
