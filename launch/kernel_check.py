@@ -17,6 +17,7 @@ import numpy as np
 import numba_cp
 from numba_cp import reference as ref
 from numba_cp.arrays import device_copy, host_copy
+from numba_cp.ops import global_topk_ids, merge_keys
 from numba_cp.workload import decode_workload
 
 
@@ -61,6 +62,18 @@ def main(argv=None) -> int:
     numba_cp.merge_topk_keys(gathered, topk_idx, seq_lens, attention_block_table=device_copy(table),
                              sparse_block_table_out=sbt, sparse_context_lens_out=ctx,
                              method=a.method, threads=a.threads, **window)
+    # world 1 in one kernel, on the whole rows, with the table
+    whole_idx = device_copy(np.zeros_like(host_copy(topk_idx)))
+    whole_sbt = device_copy(np.zeros_like(host_copy(sbt)))
+    whole_ctx = device_copy(np.zeros_like(host_copy(ctx)))
+    global_topk_ids(device_copy(work.full_scores), seq_lens, whole_idx,
+                    global_blocks=work.global_blocks, attention_block_table=device_copy(table),
+                    sparse_block_table_out=whole_sbt, sparse_context_lens_out=whole_ctx,
+                    method=a.method, threads=a.threads, **window)
+    # the two-level exchange's first merge: gathered keys -> keys
+    merged_keys = device_copy(np.zeros((a.heads, work.tokens, a.topk), np.int64))
+    merge_keys(gathered, seq_lens, topk=a.topk, out=merged_keys, method=a.method,
+               threads=a.threads, **window)
     got_keys, got_idx = host_copy(gathered), host_copy(topk_idx)
     got_sbt, got_ctx = host_copy(sbt), host_copy(ctx)
     print(f"kernels (first call, compile included): {time.perf_counter() - start:.2f} s")
@@ -77,6 +90,15 @@ def main(argv=None) -> int:
     unsharded = ref.global_topk(work.full_scores, work.seq_lens, topk=a.topk,
                                 global_blocks=work.global_blocks, **window)
     checks.append(("exchange == unsharded top-k", np.array_equal(got_idx, unsharded)))
+    checks.append(("global_topk_ids (world 1, one kernel) == unsharded top-k",
+                   np.array_equal(host_copy(whole_idx), unsharded)))
+    whole_sbt_want, whole_ctx_want = ref.sparse_block_table(unsharded, work.seq_lens, table,
+                                                            query_len=a.query_len)
+    checks.append(("global_topk_ids sparse table", np.array_equal(host_copy(whole_sbt),
+                                                                  whole_sbt_want)
+                   and np.array_equal(host_copy(whole_ctx), whole_ctx_want)))
+    want_merged = ref.merge_keys(got_keys, work.seq_lens, topk=a.topk, **window)
+    checks.append(("merge_keys == oracle", np.array_equal(host_copy(merged_keys), want_merged)))
     for name, ok in checks:
         print(f"{'ok  ' if ok else 'FAIL'} {name}")
     return 0 if all(ok for _, ok in checks) else 1

@@ -3,7 +3,8 @@
 The test suite simulates warps of 8 lanes for speed; the GPUs have 32 or 64.
 The lane count changes which stages stay inside a lane and which cross lanes,
 so each width runs an exchange end to end (pack on every shard, merge, sparse
-table, equality with the unsharded oracle) in a subprocess of its own.
+table, equality with the unsharded oracle), world 1 in one kernel (with the
+table) and the two-level exchange's first merge, in a subprocess of its own.
 """
 
 import os
@@ -28,7 +29,10 @@ def test_exchange_is_exact_at_each_warp_width(lanes):
     proc = subprocess.run([sys.executable, "launch/kernel_check.py", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "exchange == unsharded top-k" in proc.stdout and "FAIL" not in proc.stdout
+    assert "FAIL" not in proc.stdout
+    for check in ("exchange == unsharded top-k", "global_topk_ids sparse table",
+                  "merge_keys == oracle"):
+        assert f"ok   {check}" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("lanes", ["4", "64", None])
