@@ -131,7 +131,7 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
     Args:
         scores: float32 ``[heads, tokens, local]``, this rank's shard: column
             ``j`` is global block ``j * world + rank``; any strides. Columns
-            whose block is not valid for a row are never read.
+            whose block is not valid for a row are never used.
         seq_lens: integer ``[requests]`` (``requests >= tokens // query_len``),
             each request's context length including its query tokens.
         topk: keys kept per ``(head, row)``, ``1 <= topk <= 2048``.

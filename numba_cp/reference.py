@@ -205,7 +205,7 @@ def shard_scores(full_scores, *, rank, world, global_blocks, local=None, fill=np
     """Rank ``rank``'s round-robin shard ``[heads, tokens, local]`` of full-context scores.
 
     Column ``j`` holds global block ``j * world + rank``; columns past
-    ``global_blocks`` hold ``fill`` (they are never read by a correct kernel).
+    ``global_blocks`` hold ``fill`` (they never change a correct kernel's result).
     """
     full_scores = np.asarray(full_scores, dtype=np.float32)
     heads, tokens, _ = full_scores.shape

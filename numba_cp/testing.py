@@ -104,7 +104,7 @@ class ExchangeCase:
     """One exchange problem: full-context scores and everything the ranks agree on.
 
     ``full_scores[h, row, g]`` is the score of global block ``g``; columns at or
-    past a row's valid blocks are never read and may hold anything.
+    past a row's valid blocks are never used and may hold anything.
     ``per_shard`` (default ``topk``) is each rank's key count.
     """
 
@@ -395,7 +395,7 @@ class FakeWorld:
         """Every rank's shard ``[heads, tokens, local]`` (host arrays).
 
         ``local`` is ``ceil(global_blocks / world) + extra_columns``; columns
-        past ``global_blocks`` hold ``fill``, which a correct kernel never reads.
+        past ``global_blocks`` hold ``fill``, which never changes a correct kernel's result.
         """
         global_blocks = validate.integer("global_blocks", global_blocks, low=0,
                                          high=MAX_GLOBAL_BLOCKS)
