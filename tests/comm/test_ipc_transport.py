@@ -14,6 +14,7 @@ import pytest
 
 MPI = pytest.importorskip("mpi4py.MPI")
 
+from comm_support import payload  # noqa: E402
 from numba_cp.backend import TARGET, cuda  # noqa: E402
 from numba_cp.comm import IPCAllGather  # noqa: E402
 from numba_cp.comm import ipc as I  # noqa: E402
@@ -102,6 +103,46 @@ def test_zero_token_call_moves_nothing_and_keeps_the_epoch():
         t.all_gather(cuda.to_device(one), recv_one)
         assert t.check()["epoch"] == 2
         assert np.array_equal(recv_one.copy_to_host()[0], one)
+
+
+@sim_only
+def test_separate_gathers_launch_through_launches_built_once_per_size(monkeypatch):
+    """Bump, push and wait-copy go through KernelLaunch objects (the direct launch on
+    numba-cuda); a payload size seen before builds none, whatever the buffers."""
+    built, called = [], []
+
+    class Counted(I.KernelLaunch):
+        def __init__(self, kernel, *args, **kwargs):
+            super().__init__(kernel, *args, **kwargs)
+            built.append(kernel)
+
+        def __call__(self, objects, stream=None, pointers=None):
+            called.append(self.kernel)
+            return super().__call__(objects, stream, pointers)
+
+    monkeypatch.setattr(I, "KernelLaunch", Counted)
+    separate = [K.ipc_bump_kernel, K.ipc_push_kernel, K.ipc_wait_copy_kernel]
+    with IPCAllGather(MPI.COMM_SELF).setup((2, 3, 4), np.int64) as t:
+        assert len(built) == 2 and set(built) == {K.ipc_wait_kernel, K.ipc_bump_kernel}
+        at_setup = len(built)
+
+        def gather(tokens, round_):
+            want = payload(0, round_, (2, tokens, 4), np.int64)
+            recv = cuda.to_device(np.zeros((1, 2, tokens, 4), np.int64))
+            t.all_gather(cuda.to_device(want), recv)  # new buffers every call
+            assert np.array_equal(recv.copy_to_host()[0], want)
+
+        gather(3, 0)
+        assert built[at_setup:] == separate[1:]
+        for round_ in (1, 2, 3):
+            gather(3, round_)
+        assert len(built) == at_setup + 2 and called == separate * 4
+        gather(2, 4)  # a smaller payload: its own push and wait-copy, once
+        assert built[at_setup + 2:] == separate[1:]
+        for round_, tokens in enumerate((3, 2, 2, 3), start=5):
+            gather(tokens, round_)
+        assert len(built) == at_setup + 4 and called == separate * 9
+        assert t.check()["epoch"] == 9
 
 
 @sim_only
