@@ -43,9 +43,10 @@ from ..arrays import device_view, fixed_view, resolve_stream
 from ..backend import COMPILE_ONLY, TARGET, cuda
 from ..errors import IPCTimeoutError
 from ..kernels import ipc as K
-from ..launcher import KernelLaunch
+from ..launcher import KernelLaunch, array_signature
 from . import _hip
-from .base import Transport, agree, describe_problem, register_transport, seconds_from_env
+from .base import (Transport, agree, check_apart, describe_problem, register_transport,
+                   seconds_from_env)
 
 __all__ = ["IPCLayout", "CudaIPCMemory", "HostIPCMemory", "IPCEngine", "IPCAllGather", "Delivery",
            "ipc_memory", "local_probe", "gpu_identity", "peer_access", "TIMEOUT_ENV", "WAIT_ENV",
@@ -422,7 +423,11 @@ class IPCEngine:
         return 8 if nbytes % 8 == 0 and all(p % 8 == 0 for p in pointers) else 1
 
     def flat(self, array, pointer: int, nbytes: int, unit: int):
-        """``array``'s ``nbytes`` as a 1-D kernel array of ``unit``-byte words (cached)."""
+        """``array``'s ``nbytes`` as a 1-D kernel array of ``unit``-byte words (cached).
+
+        On a GPU the view is made from ``pointer`` alone; ``array`` is read only
+        under the simulator.
+        """
         key = (pointer, nbytes, unit)
         view = self._views.get(key)
         if view is None:
@@ -666,8 +671,10 @@ class IPCAllGather(Transport):
         self.engine = None
         self._memory = None
         self._regions = []
+        self._checked = {}  # (send, recv) signatures -> send's bytes (see _checked_pair)
 
     def _setup(self):
+        self._checked = {}  # what passed was checked against the last setup's size and dtype
         comm = self.comm
         rank, world = comm.Get_rank(), comm.Get_size()
         self.layout = layout = IPCLayout(world, self.nbytes)
@@ -731,8 +738,33 @@ class IPCAllGather(Transport):
             self._release()
             self.layout = None
 
+    def _checked_pair(self, send, recv):
+        """:meth:`_device_pair`, validated once per pair of array signatures.
+
+        What it checks (dtypes, shapes, contiguity, size) follows from the
+        signatures alone; only the overlap of the two depends on where they
+        are, so that is checked on every call. A pair seen before returns
+        ``send`` and ``recv`` in place of the views: on a GPU the engine views
+        its payloads by address (:meth:`IPCEngine.flat`), and the simulator's
+        arrays have no signature, so they always take :meth:`_device_pair`.
+        """
+        send_signature, recv_signature = array_signature(send), array_signature(recv)
+        if send_signature is None or recv_signature is None:
+            return self._device_pair(send, recv)
+        key = send_signature[0], recv_signature[0]
+        nbytes = self._checked.get(key)
+        if nbytes is None:
+            views, ranges = self._device_pair(send, recv)
+            if len(self._checked) >= VIEW_CACHE:
+                self._checked.clear()
+            self._checked[key] = ranges[0][1]
+            return views, ranges
+        ranges = (send_signature[1], nbytes), (recv_signature[1], nbytes * self.layout.world)
+        check_apart(*ranges)
+        return (send, recv), ranges
+
     def _all_gather(self, send, recv, stream):
-        (send_view, recv_view), (send_range, recv_range) = self._device_pair(send, recv)
+        (send_view, recv_view), (send_range, recv_range) = self._checked_pair(send, recv)
         nbytes = send_range[1]
         if nbytes == 0:
             return recv

@@ -146,6 +146,49 @@ def test_separate_gathers_launch_through_launches_built_once_per_size(monkeypatc
 
 
 @sim_only
+def test_a_pair_of_signatures_seen_before_is_not_validated_again(monkeypatch):
+    """What the per-call checks look at follows from the arrays' signatures, except the
+    overlap of send and recv, which every call checks; a new signature, or a new setup,
+    is validated again. (The simulator's arrays have no signature: here they are given
+    one, as a GPU's are.)"""
+    def signature(array):
+        host = np.asarray(array)
+        return (host.dtype.str, host.shape, host.strides, False), host.ctypes.data
+
+    checked = []
+    device_pair = IPCAllGather._device_pair
+    monkeypatch.setattr(I, "array_signature", signature)
+    monkeypatch.setattr(IPCAllGather, "_device_pair",
+                        lambda self, send, recv: checked.append(1) or device_pair(self, send, recv))
+    t = IPCAllGather(MPI.COMM_SELF).setup((2, 3, 4), np.int64)
+    try:
+        for round_ in range(3):
+            want = payload(0, round_, (2, 3, 4), np.int64)
+            recv = cuda.to_device(np.zeros((1, 2, 3, 4), np.int64))
+            t.all_gather(cuda.to_device(want), recv)
+            assert np.array_equal(recv.copy_to_host()[0], want)
+        assert len(checked) == 1
+        whole = cuda.to_device(np.zeros(48, np.int64))
+        with pytest.raises(ValueError, match="recv: overlaps send"):
+            t.all_gather(whole[:24].reshape(2, 3, 4), whole[12:36].reshape(1, 2, 3, 4))
+        assert len(checked) == 1, "the same signatures: only the overlap is checked"
+        with pytest.raises(TypeError, match="send: dtype int32"):
+            t.all_gather(cuda.to_device(np.zeros((2, 3, 4), np.int32)),
+                         cuda.to_device(np.zeros((1, 2, 3, 4), np.int32)))
+        with pytest.raises(ValueError, match=r"recv: shape \(2, 2, 3, 4\)"):
+            t.all_gather(cuda.to_device(np.zeros((2, 3, 4), np.int64)),
+                         cuda.to_device(np.zeros((2, 2, 3, 4), np.int64)))
+        assert t.check()["epoch"] == 3
+        t.teardown()
+        t.setup((2, 1, 4), np.int64)  # smaller: the pair above is too large now
+        with pytest.raises(ValueError, match=r"send: shape \(2, 3, 4\) is 192 bytes"):
+            t.all_gather(cuda.to_device(np.zeros((2, 3, 4), np.int64)),
+                         cuda.to_device(np.zeros((1, 2, 3, 4), np.int64)))
+    finally:
+        t.teardown()
+
+
+@sim_only
 def test_setup_failure_is_agreed(monkeypatch):
     def broken(self, nbytes):
         raise MemoryError("no room")
