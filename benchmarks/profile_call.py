@@ -11,7 +11,7 @@ with the same tensors seen only through ``__cuda_array_interface__`` (what a
 tensor costs without its own key), and checks that the tensors' outputs equal the
 CuPy ones. ``--exchange`` times whole eager calls of a ``CandidateExchange`` over
 the IPC transport, fused and as separate steps, on every rank of the job (rank 0
-prints), then profiles the fused ones.
+prints), and profiles each.
 """
 
 import argparse
@@ -47,6 +47,7 @@ def exchange(calls):
     config = ExchangeConfig(heads=4, max_tokens=work.tokens, topk=16, world=world,
                             global_blocks=work.global_blocks, local_blocks=2)
     for fused in (True, False):
+        label = "fused" if fused else "separate"
         with CandidateExchange(comm, config, transport="ipc", fused=fused) as plan:
             plan(shard, seq)
             numba_cp.backend.cuda.synchronize()
@@ -58,18 +59,18 @@ def exchange(calls):
             numba_cp.backend.cuda.synchronize()
             every = comm.gather(host, root=0)
             if rank == 0:
-                print(f"world {world} eager exchange, {'fused' if fused else 'separate'}: "
+                print(f"world {world} eager exchange, {label}: "
                       f"{max(every):.1f} us/call of host time (slowest rank; "
                       f"{calls} calls back to back)", flush=True)
-            if fused:
-                profile = cProfile.Profile()
-                profile.enable()
-                for _ in range(calls):
-                    plan(shard, seq)
-                profile.disable()
-                numba_cp.backend.cuda.synchronize()
-                if rank == 0:
-                    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(calls):
+                plan(shard, seq)
+            profile.disable()
+            numba_cp.backend.cuda.synchronize()
+            if rank == 0:
+                print(f"rank 0, {calls} {label} calls:", flush=True)
+                pstats.Stats(profile).sort_stats("tottime").print_stats(25)
             comm.Barrier()
 
 

@@ -183,6 +183,13 @@ def _dtype_problem(dtype):
     return dtype, None
 
 
+def check_apart(send_range, recv_range):
+    """Raise unless the byte ranges ``(address, nbytes)`` of send and recv are disjoint."""
+    (s0, sn), (r0, rn) = send_range, recv_range
+    if sn and rn and s0 < r0 + rn and r0 < s0 + sn:
+        raise ValueError("recv: overlaps send; the all-gather is not done in place")
+
+
 class Transport:
     """The life cycle shared by all transports: setup, all_gather, teardown.
 
@@ -295,9 +302,7 @@ class Transport:
         if tuple(recv.shape) != want:
             raise ValueError(f"recv: shape {tuple(recv.shape)}, expected {want} "
                              "(comm.size, *send.shape)")
-        (s0, sn), (r0, rn) = send_range, recv_range
-        if sn and rn and s0 < r0 + rn and r0 < s0 + sn:
-            raise ValueError("recv: overlaps send; the all-gather is not done in place")
+        check_apart(send_range, recv_range)
         return send_range, recv_range
 
     def _host_pair(self, send, recv):

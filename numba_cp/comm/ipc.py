@@ -43,9 +43,10 @@ from ..arrays import device_view, fixed_view, resolve_stream
 from ..backend import COMPILE_ONLY, TARGET, cuda
 from ..errors import IPCTimeoutError
 from ..kernels import ipc as K
-from ..launcher import KernelLaunch
+from ..launcher import KernelLaunch, array_signature
 from . import _hip
-from .base import Transport, agree, describe_problem, register_transport, seconds_from_env
+from .base import (Transport, agree, check_apart, describe_problem, register_transport,
+                   seconds_from_env)
 
 __all__ = ["IPCLayout", "CudaIPCMemory", "HostIPCMemory", "IPCEngine", "IPCAllGather", "Delivery",
            "ipc_memory", "local_probe", "gpu_identity", "peer_access", "TIMEOUT_ENV", "WAIT_ENV",
@@ -401,8 +402,18 @@ class IPCEngine:
         self._device_errors = errors
         self._wait = KernelLaunch(K.ipc_wait_kernel, (1,), 32, [self.world, self.timeout_ns])
         self._wait_objects = tuple(map(fixed_view, (ctrl, self.own_flags, errors)))
-        self._wait_pointers = (None if TARGET.simulator else
-                               [view.signature[1] for view in self._wait_objects])
+        self._wait_pointers = _pointers(self._wait_objects)
+        # The separate gather's launches. Everything but send and recv is one of these
+        # buffers, so a launch is built once per payload size and a call only reads the
+        # two pointers (see _separate_launches).
+        self._ctrl_view, self._flag_view, self._errors_view = self._wait_objects
+        self._ctrl_pointer = None if TARGET.simulator else self._wait_pointers[0]
+        self._bump = KernelLaunch(K.ipc_bump_kernel, (1,), 1, [])
+        self._bump_objects = (self._ctrl_view,)
+        self._bump_pointers = _pointers(self._bump_objects)
+        self._data_views = {unit: [fixed_view(d) for d in data] for unit, data in self.data.items()}
+        self._peer_flag_views = [fixed_view(f) for f in self.flags]
+        self._separate = {}
 
     # -- per-call pieces ------------------------------------------------------
 
@@ -412,7 +423,11 @@ class IPCEngine:
         return 8 if nbytes % 8 == 0 and all(p % 8 == 0 for p in pointers) else 1
 
     def flat(self, array, pointer: int, nbytes: int, unit: int):
-        """``array``'s ``nbytes`` as a 1-D kernel array of ``unit``-byte words (cached)."""
+        """``array``'s ``nbytes`` as a 1-D kernel array of ``unit``-byte words (cached).
+
+        On a GPU the view is made from ``pointer`` alone; ``array`` is read only
+        under the simulator.
+        """
         key = (pointer, nbytes, unit)
         view = self._views.get(key)
         if view is None:
@@ -428,39 +443,76 @@ class IPCEngine:
 
     # -- the three steps ----------------------------------------------------
 
-    def bump(self, stream):
-        K.ipc_bump_kernel[1, 1, stream](self.ctrl)
+    def _separate_launches(self, nbytes, unit) -> "_SeparateLaunches":
+        """The push and wait-copy launches of ``nbytes`` payloads in ``unit``-byte words.
 
-    def push(self, send, nbytes, unit, stream):
-        """``send``: a flat ``unit`` kernel array of this call's ``nbytes`` payload."""
+        Built on first use and kept: every argument but ``send`` and ``recv`` is a
+        fixed buffer, and their shapes follow from ``nbytes`` and ``unit``. The
+        timeout is a scalar of the wait, so it is in the key too.
+        """
+        key = (nbytes, unit, self.timeout_ns)
+        launches = self._separate.get(key)
+        if launches is None:
+            if len(self._separate) >= VIEW_CACHE:
+                self._separate.clear()
+            launches = self._separate[key] = self._plan_separate(nbytes, unit)
+        return launches
+
+    def _plan_separate(self, nbytes, unit):
         count = nbytes // unit
         slot = self.layout.slot_bytes // unit
         threads = TARGET.ipc_threads
         blocks = max(1, min(TARGET.ipc_push_blocks, -(-count // threads)))
-        data = self.data[unit]
+        data = self._data_views[unit]
+        pushes = []
         for first in range(0, self.world, K.GROUP):
+            # Unused peer slots repeat the first peer's buffers; the kernel skips them.
             peers = list(range(first, min(first + K.GROUP, self.world)))
-            d = [data[q] for q in peers] + [data[peers[0]]] * (K.GROUP - len(peers))
-            f = [self.flags[q] for q in peers] + [self.flags[peers[0]]] * (K.GROUP - len(peers))
-            K.ipc_push_kernel[(blocks, len(peers)), threads, stream](
-                self.ctrl, send, count, slot, self.world, self.rank, len(peers), *d, *f)
+            slots = peers + peers[:1] * (K.GROUP - len(peers))
+            arrays = (*(data[q] for q in slots), *(self._peer_flag_views[q] for q in slots))
+            launch = KernelLaunch(K.ipc_push_kernel, (blocks, len(peers)), threads,
+                                  [count, slot, self.world, self.rank, len(peers)])
+            pushes.append((launch, arrays, _pointers(arrays)))
+        copy_blocks = max(1, min(TARGET.ipc_copy_blocks, -(-(self.world * count) // threads)))
+        wait_copy = KernelLaunch(K.ipc_wait_copy_kernel, (copy_blocks,), threads,
+                                 [count, slot, self.world, self.timeout_ns])
+        own_data = data[self.rank]
+        return _SeparateLaunches(tuple(pushes), wait_copy, own_data,
+                                 None if TARGET.simulator else own_data.signature[1])
 
-    def wait_copy(self, recv, nbytes, unit, stream):
-        """``recv``: a flat ``unit`` kernel array of ``world`` payloads of ``nbytes``."""
-        count = nbytes // unit
-        threads = TARGET.ipc_threads
-        blocks = max(1, min(TARGET.ipc_copy_blocks, -(-(self.world * count) // threads)))
-        K.ipc_wait_copy_kernel[blocks, threads, stream](
-            self.ctrl, self.own_flags, self.data[unit][self.rank], recv, self.errors, count,
-            self.layout.slot_bytes // unit, self.world, self.timeout_ns)
+    def bump(self, stream):
+        self._bump(self._bump_objects, stream, self._bump_pointers)
 
-    def all_gather(self, send, recv, nbytes, unit, stream):
-        """Queue one gather of ``nbytes`` per rank (at most the layout's)."""
+    def push(self, send, nbytes, unit, stream, pointer=None):
+        """``send``: a flat ``unit`` kernel array of this call's ``nbytes`` payload
+        (``pointer``: its address, if the caller knows it)."""
+        ctrl = self._ctrl_view
+        head = None
+        if self._ctrl_pointer is not None:
+            head = (self._ctrl_pointer, _data_pointer(send) if pointer is None else pointer)
+        for launch, peers, peer_pointers in self._separate_launches(nbytes, unit).pushes:
+            launch((ctrl, send, *peers), stream, None if head is None else head + peer_pointers)
+
+    def wait_copy(self, recv, nbytes, unit, stream, pointer=None):
+        """``recv``: a flat ``unit`` kernel array of ``world`` payloads of ``nbytes``
+        (``pointer``: its address, if the caller knows it)."""
+        launches = self._separate_launches(nbytes, unit)
+        objects = (self._ctrl_view, self._flag_view, launches.own_data, recv, self._errors_view)
+        pointers = None
+        if self._ctrl_pointer is not None:
+            pointers = (self._ctrl_pointer, self._wait_pointers[1], launches.own_data_pointer,
+                        _data_pointer(recv) if pointer is None else pointer,
+                        self._wait_pointers[2])
+        launches.wait_copy(objects, stream, pointers)
+
+    def all_gather(self, send, recv, nbytes, unit, stream, pointers=(None, None)):
+        """Queue one gather of ``nbytes`` per rank (at most the layout's); ``pointers``:
+        the addresses of ``send`` and ``recv``, if the caller knows them."""
         if nbytes == 0:
             return
         self.bump(stream)
-        self.push(send, nbytes, unit, stream)
-        self.wait_copy(recv, nbytes, unit, stream)
+        self.push(send, nbytes, unit, stream, pointers[0])
+        self.wait_copy(recv, nbytes, unit, stream, pointers[1])
 
     # -- the fused exchange's arguments --------------------------------------
 
@@ -501,6 +553,26 @@ class IPCEngine:
         return dict(epoch=int(ctrl[K.EPOCH]), error_epoch=int(ctrl[K.ERR_EPOCH]),
                     error_peer=int(ctrl[K.ERR_PEER]) - 1, poisoned_by=int(flags[-1]) - 1,
                     flags=[int(x) for x in flags[:-1]])
+
+
+class _SeparateLaunches(NamedTuple):
+    """One payload size's launches of the separate gather (:meth:`IPCEngine.push`,
+    :meth:`IPCEngine.wait_copy`): per push launch, ``(launch, its peer buffers, their
+    pointers)``; the wait-copy launch; this rank's data area it copies from."""
+
+    pushes: tuple
+    wait_copy: KernelLaunch
+    own_data: object
+    own_data_pointer: int | None
+
+
+def _pointers(views):
+    """The data pointers of fixed views; None under the simulator (no direct launch)."""
+    return None if TARGET.simulator else tuple(view.signature[1] for view in views)
+
+
+def _data_pointer(array) -> int:
+    return array.__cuda_array_interface__["data"][0]
 
 
 class Delivery(NamedTuple):
@@ -599,8 +671,10 @@ class IPCAllGather(Transport):
         self.engine = None
         self._memory = None
         self._regions = []
+        self._checked = {}  # (send, recv) signatures -> send's bytes (see _checked_pair)
 
     def _setup(self):
+        self._checked = {}  # what passed was checked against the last setup's size and dtype
         comm = self.comm
         rank, world = comm.Get_rank(), comm.Get_size()
         self.layout = layout = IPCLayout(world, self.nbytes)
@@ -664,8 +738,33 @@ class IPCAllGather(Transport):
             self._release()
             self.layout = None
 
+    def _checked_pair(self, send, recv):
+        """:meth:`_device_pair`, validated once per pair of array signatures.
+
+        What it checks (dtypes, shapes, contiguity, size) follows from the
+        signatures alone; only the overlap of the two depends on where they
+        are, so that is checked on every call. A pair seen before returns
+        ``send`` and ``recv`` in place of the views: on a GPU the engine views
+        its payloads by address (:meth:`IPCEngine.flat`), and the simulator's
+        arrays have no signature, so they always take :meth:`_device_pair`.
+        """
+        send_signature, recv_signature = array_signature(send), array_signature(recv)
+        if send_signature is None or recv_signature is None:
+            return self._device_pair(send, recv)
+        key = send_signature[0], recv_signature[0]
+        nbytes = self._checked.get(key)
+        if nbytes is None:
+            views, ranges = self._device_pair(send, recv)
+            if len(self._checked) >= VIEW_CACHE:
+                self._checked.clear()
+            self._checked[key] = ranges[0][1]
+            return views, ranges
+        ranges = (send_signature[1], nbytes), (recv_signature[1], nbytes * self.layout.world)
+        check_apart(*ranges)
+        return (send, recv), ranges
+
     def _all_gather(self, send, recv, stream):
-        (send_view, recv_view), (send_range, recv_range) = self._device_pair(send, recv)
+        (send_view, recv_view), (send_range, recv_range) = self._checked_pair(send, recv)
         nbytes = send_range[1]
         if nbytes == 0:
             return recv
@@ -673,7 +772,8 @@ class IPCAllGather(Transport):
         unit = engine.unit_for(nbytes, send_range[0], recv_range[0])
         flat_send = engine.flat(send_view, send_range[0], nbytes, unit)
         flat_recv = engine.flat(recv_view, recv_range[0], recv_range[1], unit)
-        engine.all_gather(flat_send, flat_recv, nbytes, unit, resolve_stream(stream))
+        engine.all_gather(flat_send, flat_recv, nbytes, unit, resolve_stream(stream),
+                          (send_range[0], recv_range[0]))
         return recv
 
     def delivery(self) -> Delivery | None:

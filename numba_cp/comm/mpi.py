@@ -24,6 +24,8 @@ from .base import Transport, mpi, register_transport, wait_for
 
 __all__ = ["HostMPI", "DeviceMPI", "StagedMPI", "LeaderAllGather"]
 
+_LAYOUTS = 64  # payload sizes a LeaderAllGather remembers the MPI layout of
+
 
 def _allgather_bytes(comm, send, recv, name):
     byte = mpi().BYTE
@@ -151,6 +153,21 @@ class LeaderAllGather:
         allocate = cuda.pinned_array if (device and not TARGET.simulator and nbytes) else np.empty
         self._send_host = allocate(self.nbytes, dtype=np.uint8)
         self._recv_host = allocate(self.nbytes * self.groups, dtype=np.uint8)
+        self._layouts = {}  # nbytes -> (counts, displacements): callers repeat a few sizes
+
+    def _layout(self, nbytes):
+        """``Iallgatherv``'s counts and displacements for ``nbytes`` per leader."""
+        layout = self._layouts.get(nbytes)
+        if layout is None:
+            counts = [0] * self.comm.Get_size()
+            displacements = [0] * self.comm.Get_size()
+            for group, leader in enumerate(self.leaders):
+                counts[leader] = nbytes
+                displacements[leader] = group * nbytes
+            if len(self._layouts) >= _LAYOUTS:
+                self._layouts.clear()
+            layout = self._layouts[nbytes] = (counts, displacements)
+        return layout
 
     def all_gather(self, send, recv, stream=None):
         """``send`` (C-contiguous, at most ``nbytes``; read on leaders only) -> ``recv``
@@ -175,16 +192,11 @@ class LeaderAllGather:
             send_bytes = np.asarray(send).reshape(-1).view(np.uint8)
             recv_bytes = np.asarray(recv).reshape(-1).view(np.uint8)
             synchronize(stream)
-        counts = [0] * self.comm.Get_size()
-        displacements = [0] * self.comm.Get_size()
-        for group, leader in enumerate(self.leaders):
-            counts[leader] = nbytes
-            displacements[leader] = group * nbytes
         byte = mpi().BYTE
         mine = nbytes if self.is_leader else 0
         wait_for(self.comm, self.comm.Iallgatherv(
             [send_bytes[:mine], mine, byte],
-            [recv_bytes[:self.groups * nbytes], (counts, displacements), byte]),
+            [recv_bytes[:self.groups * nbytes], self._layout(nbytes), byte]),
             "two-level exchange: the nodes' keys")
         if staged and nbytes:
             recv_view.copy_to_device(recv_host, stream=stream)

@@ -311,6 +311,9 @@ def test_kernels_more_peers_than_one_push_launch(ranks):
             assert R.ready(r, e)
             R.wait_copy(r)
             assert np.array_equal(R.got(r), R.expected(e))
+    for engine in R.engines:  # two push launches, built by the first call and reused
+        (launches,) = engine._separate.values()
+        assert [launch.grid[1] for launch, _, _ in launches.pushes] == [K.GROUP, 1]
 
 
 @sim_only

@@ -14,6 +14,7 @@ import pytest
 
 MPI = pytest.importorskip("mpi4py.MPI")
 
+from comm_support import payload  # noqa: E402
 from numba_cp.backend import TARGET, cuda  # noqa: E402
 from numba_cp.comm import IPCAllGather  # noqa: E402
 from numba_cp.comm import ipc as I  # noqa: E402
@@ -102,6 +103,89 @@ def test_zero_token_call_moves_nothing_and_keeps_the_epoch():
         t.all_gather(cuda.to_device(one), recv_one)
         assert t.check()["epoch"] == 2
         assert np.array_equal(recv_one.copy_to_host()[0], one)
+
+
+@sim_only
+def test_separate_gathers_launch_through_launches_built_once_per_size(monkeypatch):
+    """Bump, push and wait-copy go through KernelLaunch objects (the direct launch on
+    numba-cuda); a payload size seen before builds none, whatever the buffers."""
+    built, called = [], []
+
+    class Counted(I.KernelLaunch):
+        def __init__(self, kernel, *args, **kwargs):
+            super().__init__(kernel, *args, **kwargs)
+            built.append(kernel)
+
+        def __call__(self, objects, stream=None, pointers=None):
+            called.append(self.kernel)
+            return super().__call__(objects, stream, pointers)
+
+    monkeypatch.setattr(I, "KernelLaunch", Counted)
+    separate = [K.ipc_bump_kernel, K.ipc_push_kernel, K.ipc_wait_copy_kernel]
+    with IPCAllGather(MPI.COMM_SELF).setup((2, 3, 4), np.int64) as t:
+        assert len(built) == 2 and set(built) == {K.ipc_wait_kernel, K.ipc_bump_kernel}
+        at_setup = len(built)
+
+        def gather(tokens, round_):
+            want = payload(0, round_, (2, tokens, 4), np.int64)
+            recv = cuda.to_device(np.zeros((1, 2, tokens, 4), np.int64))
+            t.all_gather(cuda.to_device(want), recv)  # new buffers every call
+            assert np.array_equal(recv.copy_to_host()[0], want)
+
+        gather(3, 0)
+        assert built[at_setup:] == separate[1:]
+        for round_ in (1, 2, 3):
+            gather(3, round_)
+        assert len(built) == at_setup + 2 and called == separate * 4
+        gather(2, 4)  # a smaller payload: its own push and wait-copy, once
+        assert built[at_setup + 2:] == separate[1:]
+        for round_, tokens in enumerate((3, 2, 2, 3), start=5):
+            gather(tokens, round_)
+        assert len(built) == at_setup + 4 and called == separate * 9
+        assert t.check()["epoch"] == 9
+
+
+@sim_only
+def test_a_pair_of_signatures_seen_before_is_not_validated_again(monkeypatch):
+    """What the per-call checks look at follows from the arrays' signatures, except the
+    overlap of send and recv, which every call checks; a new signature, or a new setup,
+    is validated again. (The simulator's arrays have no signature: here they are given
+    one, as a GPU's are.)"""
+    def signature(array):
+        host = np.asarray(array)
+        return (host.dtype.str, host.shape, host.strides, False), host.ctypes.data
+
+    checked = []
+    device_pair = IPCAllGather._device_pair
+    monkeypatch.setattr(I, "array_signature", signature)
+    monkeypatch.setattr(IPCAllGather, "_device_pair",
+                        lambda self, send, recv: checked.append(1) or device_pair(self, send, recv))
+    t = IPCAllGather(MPI.COMM_SELF).setup((2, 3, 4), np.int64)
+    try:
+        for round_ in range(3):
+            want = payload(0, round_, (2, 3, 4), np.int64)
+            recv = cuda.to_device(np.zeros((1, 2, 3, 4), np.int64))
+            t.all_gather(cuda.to_device(want), recv)
+            assert np.array_equal(recv.copy_to_host()[0], want)
+        assert len(checked) == 1
+        whole = cuda.to_device(np.zeros(48, np.int64))
+        with pytest.raises(ValueError, match="recv: overlaps send"):
+            t.all_gather(whole[:24].reshape(2, 3, 4), whole[12:36].reshape(1, 2, 3, 4))
+        assert len(checked) == 1, "the same signatures: only the overlap is checked"
+        with pytest.raises(TypeError, match="send: dtype int32"):
+            t.all_gather(cuda.to_device(np.zeros((2, 3, 4), np.int32)),
+                         cuda.to_device(np.zeros((1, 2, 3, 4), np.int32)))
+        with pytest.raises(ValueError, match=r"recv: shape \(2, 2, 3, 4\)"):
+            t.all_gather(cuda.to_device(np.zeros((2, 3, 4), np.int64)),
+                         cuda.to_device(np.zeros((2, 2, 3, 4), np.int64)))
+        assert t.check()["epoch"] == 3
+        t.teardown()
+        t.setup((2, 1, 4), np.int64)  # smaller: the pair above is too large now
+        with pytest.raises(ValueError, match=r"send: shape \(2, 3, 4\) is 192 bytes"):
+            t.all_gather(cuda.to_device(np.zeros((2, 3, 4), np.int64)),
+                         cuda.to_device(np.zeros((1, 2, 3, 4), np.int64)))
+    finally:
+        t.teardown()
 
 
 @sim_only

@@ -9,6 +9,8 @@ byte for byte.
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -17,8 +19,8 @@ MPI = pytest.importorskip("mpi4py.MPI")
 from comm_support import FakeComm, payload  # noqa: E402
 from numba_cp.backend import TARGET, cuda  # noqa: E402
 from numba_cp.comm import (TRANSPORTS, DeviceMPI, HostMPI, IPCAllGather,  # noqa: E402
-                           NCCLAllGather, StagedMPI, Transport, agree, gpu_aware_mpi,
-                           register_transport)
+                           LeaderAllGather, NCCLAllGather, StagedMPI, Transport, agree,
+                           gpu_aware_mpi, register_transport)
 from numba_cp.comm.ipc import HostIPCMemory  # noqa: E402
 from numba_cp.errors import RankAgreementError  # noqa: E402
 
@@ -156,6 +158,51 @@ def test_zero_size_payload(cls):
         assert t.all_gather(send, recv) is recv
         assert t.all_gather(send, recv) is recv
     assert not t.is_setup
+
+
+# ---------------------------------------------------------------------------
+# The two-level exchange's gather between the nodes' leaders
+
+
+def _peer_bytes(rank, n):
+    """What rank ``rank`` (not this one) sends when it sends ``n`` bytes."""
+    return ((np.arange(n) * 7 + 31 * rank + n) % 251).astype(np.uint8)
+
+
+class LeaderComm(FakeComm):
+    """``Iallgatherv`` puts each sending rank's bytes where the counts and displacements
+    say (ours from our send, a peer's :func:`_peer_bytes`) and remembers them."""
+
+    def __init__(self, size, rank):
+        super().__init__(size, rank)
+        self.layouts = []
+
+    def Iallgatherv(self, send, recv):
+        (mine, _, _), (out, (counts, displacements), _) = send, recv
+        self.layouts.append((list(counts), list(displacements)))
+        for r, (n, at) in enumerate(zip(counts, displacements)):
+            if n:
+                out[at:at + n] = mine[:n] if r == self.rank else _peer_bytes(r, n)
+        return types.SimpleNamespace(Test=lambda: True)
+
+
+@pytest.mark.parametrize("rank", [2, 1], ids=["leader", "not-leader"])
+def test_leaders_gather_payloads_of_any_size_in_any_order(rank):
+    """Callers send fewer bytes than the gather was made for, changing from call to call:
+    every call's counts and displacements follow its own size."""
+    leaders = [0, 2, 3]
+    comm = LeaderComm(4, rank)
+    gather = LeaderAllGather(comm, leaders, nbytes=5 * 8, device=False)
+    for round_, count in enumerate((5, 2, 5, 0, 1, 2, 5)):
+        n = count * 8
+        send = payload(rank, round_, (count,), np.int64)
+        recv = np.full((len(leaders), count), -1, np.int64)
+        assert gather.all_gather(send, recv) is recv
+        want = [send.view(np.uint8) if q == rank else _peer_bytes(q, n) for q in leaders]
+        assert recv.tobytes() == np.concatenate(want).tobytes(), f"{n} bytes"
+        counts, displacements = comm.layouts[-1]
+        assert counts == [n if r in leaders else 0 for r in range(4)]
+        assert [displacements[q] for q in leaders] == [0, n, 2 * n]
 
 
 # ---------------------------------------------------------------------------
