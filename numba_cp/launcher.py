@@ -86,10 +86,16 @@ def context_token():
     """Identifies the current GPU context: compiled kernels belong to one context."""
     if TARGET.name != "cuda":
         return 0
+    _, context = _driver().cuCtxGetCurrent()
+    return int(context)
+
+
+@lru_cache(maxsize=None)
+def _driver():
+    """``cuda.bindings.driver``, imported once (an import statement per call costs)."""
     from cuda.bindings import driver
 
-    _, context = driver.cuCtxGetCurrent()
-    return int(context)
+    return driver
 
 
 def call_signature(arrays, scalars):
@@ -98,7 +104,8 @@ def call_signature(arrays, scalars):
 
     Scalars are keyed with their types: 2.0 == 2 and True == 1, yet they
     validate differently. The CUDA context is in the key, since a compiled
-    kernel belongs to one context.
+    kernel belongs to one context. A key holding an unhashable scalar fails
+    to hash where it is looked up.
     """
     keyed, pointers = [], []
     for array in arrays:
@@ -111,12 +118,8 @@ def call_signature(arrays, scalars):
             return None, None
         keyed.append(signature[0])
         pointers.append(signature[1])
-    try:
-        key = (tuple(keyed), tuple((type(v), v) for v in scalars), hash(tuple(scalars)),
-               context_token())
-    except TypeError:  # an unhashable scalar: let validation name it
-        return None, None
-    return key, pointers
+    scalars = tuple(scalars)
+    return (tuple(keyed), scalars, tuple(map(type, scalars)), context_token()), pointers
 
 
 class LaunchCache(dict):
@@ -126,7 +129,10 @@ class LaunchCache(dict):
         """The validated launch for this call (``plan(arrays, *scalars)`` builds a new
         one, validating), and the arrays' data pointers."""
         key, pointers = call_signature(arrays, scalars)
-        launch = self.get(key) if key is not None else None
+        try:
+            launch = self.get(key) if key is not None else None
+        except TypeError:  # an unhashable scalar: no cache, and validation names it
+            key = launch = None
         if launch is None:
             launch = plan(arrays, *scalars)
             if key is not None:
