@@ -32,6 +32,7 @@ import numpy as np
 import numba_cp
 from numba_cp import reference as ref
 from numba_cp.arrays import host_copy
+from numba_cp.ops import global_topk_ids
 from numba_cp.constants import INIT_SCORE, LOCAL_SCORE, PAGES
 from numba_cp.kernels.keys import ORDERED_INIT, ORDERED_LOCAL
 from numba_cp.workload import decode_workload
@@ -293,7 +294,7 @@ def run_case(name, args, torch):
         full_scores = cupy.asarray(work.full_scores)
 
         def world1(stream):
-            numba_cp.global_topk_ids(full_scores, seq_lens, world1_idx, stream=stream,
+            global_topk_ids(full_scores, seq_lens, world1_idx, stream=stream,
                                      global_blocks=work.global_blocks, **window,
                                      **world1_tables, **launch)
 
