@@ -1,0 +1,178 @@
+"""The small-row kernels under a profiler, and the latency probes beside them.
+
+    NUMBA_CP_BACKEND=cuda python benchmarks/profile_kernels.py probes [--cases a,b,g]
+    NUMBA_CP_BACKEND=cuda python benchmarks/profile_kernels.py launch [--cases a,b,g] [--sass F]
+    bash benchmarks/ncu_small_rows.sh            # Nsight Compute over ``launch``
+
+``probes``: device µs per call (CUDA-graph replay, as bench_kernels.py) of the
+pack and merge of each case beside three probes with the pack's grid and one
+warp per row: loads independent of seq_lens (``floor_indep``, bench_kernels.py's
+floor), score loads that wait for seq_lens (``floor_dep``), and the same after
+two int64 divisions (``floor_div64``). Their differences price a dependent
+memory round trip and a division chain in the kernels' setting.
+
+``launch``: a few eager calls of each case's pack and merge, for a profiler to
+catch; ``--sass F`` also writes every compiled kernel's SASS to ``F`` with a
+count of its instructions (``nvdisasm`` must be on the PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+import numba_cp
+from bench_kernels import CASES, INIT_BLOCKS, LOCAL_BLOCKS, device_us
+from numba_cp import ops
+from numba_cp import reference as ref
+from numba_cp.constants import PAGES
+from numba_cp.workload import decode_workload
+
+
+def build(name):
+    """``(pack, merge, table_on, shard, seq_lens, out)`` of a bench_kernels case."""
+    import cupy
+
+    context, world, topk, batch, query_len, heads, table_on = CASES[name]
+    work = decode_workload(heads=heads, batch=batch, query_len=query_len, context=context, seed=0)
+    window = dict(query_len=query_len, init_blocks=INIT_BLOCKS, local_blocks=LOCAL_BLOCKS)
+    shard_args = dict(window, world=world, global_blocks=work.global_blocks)
+    shards = [cupy.asarray(ref.shard_scores(work.full_scores, rank=r, world=world,
+                                            global_blocks=work.global_blocks))
+              for r in range(world)]
+    seq_lens = cupy.asarray(work.seq_lens)
+    gathered = cupy.zeros((world, heads, work.tokens, topk), cupy.int64)
+    for r in range(world):
+        numba_cp.local_topk_keys(shards[r], seq_lens, topk=topk, rank=r, out=gathered[r],
+                                 **shard_args)
+    out = gathered[0].copy()
+    topk_idx = cupy.zeros((heads, work.tokens, topk), cupy.int32)
+    tables = {}
+    if table_on:
+        host_table = np.random.default_rng(1).integers(
+            0, 1 << 20, size=(batch, work.global_blocks), dtype=np.int32)
+        tables = dict(attention_block_table=cupy.asarray(host_table),
+                      sparse_block_table_out=cupy.zeros((work.tokens, topk * PAGES), cupy.int32),
+                      sparse_context_lens_out=cupy.zeros((work.tokens,), cupy.int32))
+
+    def pack(stream=None):
+        numba_cp.local_topk_keys(shards[0], seq_lens, topk=topk, rank=0, out=out, stream=stream,
+                                 **shard_args)
+
+    def merge(stream=None):
+        numba_cp.merge_topk_keys(gathered, topk_idx, seq_lens, stream=stream, **window, **tables)
+
+    return pack, merge, table_on, shards[0], seq_lens, out
+
+
+def probe_kernels():
+    from numba import cuda, int64
+
+    @cuda.jit
+    def floor_indep(scores, seq_lens, out):
+        row = cuda.blockIdx.x
+        head = cuda.blockIdx.y
+        lane = cuda.threadIdx.x
+        n = seq_lens[row]
+        if lane < scores.shape[2]:
+            out[head, row, lane] = int(scores[head, row, lane] > 0) + n
+
+    @cuda.jit
+    def floor_dep(scores, seq_lens, out):
+        row = cuda.blockIdx.x
+        head = cuda.blockIdx.y
+        lane = cuda.threadIdx.x
+        n = seq_lens[row] // 128
+        if lane < n and lane < scores.shape[2]:
+            out[head, row, lane] = int(scores[head, row, lane] > 0) + n
+
+    @cuda.jit
+    def floor_div64(scores, seq_lens, out, q):
+        row = int64(cuda.blockIdx.x)
+        head = cuda.blockIdx.y
+        lane = cuda.threadIdx.x
+        request = row // q
+        n = seq_lens[request]
+        c = (n - request + 3) // (q + 3)
+        if lane < scores.shape[2]:
+            out[head, row, lane] = int(scores[head, row, lane] > 0) + n + c
+
+    return floor_indep, floor_dep, floor_div64
+
+
+def probes(cases):
+    import cupy
+    from numba import cuda
+
+    floor_indep, floor_dep, floor_div64 = probe_kernels()
+    for name in cases:
+        pack, merge, table_on, shard, seq_lens, out = build(name)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        numba_stream = cuda.external_stream(stream.ptr)
+        probe_out = cupy.zeros_like(out)
+        grid = (out.shape[1], out.shape[0])
+        row = {"case": name}
+        with stream:
+            if not table_on:
+                row["pack"] = device_us(pack, stream, 50, 20)
+            row["merge"] = device_us(merge, stream, 50, 20)
+            row["floor_indep"] = device_us(
+                lambda s: floor_indep[grid, 32, numba_stream](shard, seq_lens, probe_out),
+                stream, 50, 20)
+            row["floor_dep"] = device_us(
+                lambda s: floor_dep[grid, 32, numba_stream](shard, seq_lens, probe_out),
+                stream, 50, 20)
+            row["floor_div64"] = device_us(
+                lambda s: floor_div64[grid, 32, numba_stream](shard, seq_lens, probe_out, 1),
+                stream, 50, 20)
+        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in row.items()), flush=True)
+
+
+def launch(cases, sass_path):
+    import cupy
+
+    for name in cases:
+        pack, merge, table_on, *_ = build(name)
+        for _ in range(2):
+            if not table_on:
+                pack()
+            merge()
+        cupy.cuda.runtime.deviceSynchronize()
+    if not sass_path:
+        return
+    with open(sass_path, "w") as f:
+        for cache in (ops._PACK_LAUNCHES, ops._MERGE_LAUNCHES):
+            for launch_ in cache.values():
+                kernel = launch_.kernel
+                for text in kernel.inspect_sass().values():
+                    count = sum(1 for line in text.splitlines()
+                                if line.strip().startswith("/*") and ";" in line)
+                    f.write(f"# {kernel.py_func.__name__} grid={launch_.grid} "
+                            f"block={launch_.block} instructions={count}\n{text}\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", choices=("probes", "launch"))
+    p.add_argument("--cases", default="a,b,g", help="comma-separated bench_kernels.py cases")
+    p.add_argument("--sass", default=None, help="launch: write the kernels' SASS here")
+    args = p.parse_args(argv)
+    if numba_cp.backend.TARGET.simulator:
+        raise SystemExit("profile_kernels.py profiles a GPU: run it with NUMBA_CP_BACKEND=cuda "
+                         "on a GPU node")
+    cases = [c.strip() for c in args.cases.split(",")]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        raise SystemExit(f"--cases: unknown {unknown}; known: {sorted(CASES)}")
+    if args.mode == "probes":
+        probes(cases)
+    else:
+        launch(cases, args.sass)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
