@@ -28,9 +28,10 @@ __all__ = ["local_topk_keys", "merge_topk_keys", "check_local_topk_keys",
 METHODS = ("auto", "warp", "radix")
 MAX_LANE_SLOTS = 16  # keys per lane per pass: 3 register arrays of this many int64
 # Keys per lane per pass of the warp kernels (more when a run needs them). In
-# the H200 launch sweep (BENCHMARKS.md, "Launch shapes") 2 was the best or
-# within 0.2 us of it in every pack and merge case but one (g's merge: 1 key
-# per lane, 0.5 us faster).
+# the H200 launch sweeps (BENCHMARKS.md, "Launch shapes") 2 was the best or
+# within 0.05 us of it in every pack and merge case but g's merge, where 1 key
+# per lane was 0.15 us faster (0.5 us before the lane exchanges took one
+# compare each).
 WARP_SLOTS = 2
 # A radix merge row of up to this many candidates is sorted outright.
 MERGE_SORT_ALL = 256
