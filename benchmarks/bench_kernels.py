@@ -63,6 +63,36 @@ REFERENCE_US = {
 }
 
 
+def case_arrays(name, seed=0):
+    """bench_kernels.py's case ``name``: its workload, window, shard arguments and
+    CuPy arrays (every rank's shard and keys, the outputs zeroed)."""
+    import cupy
+
+    context, world, topk, batch, query_len, heads, table, *_ = CASES[name]
+    work = decode_workload(heads=heads, batch=batch, query_len=query_len, context=context,
+                           seed=seed)
+    window = dict(query_len=query_len, init_blocks=INIT_BLOCKS, local_blocks=LOCAL_BLOCKS)
+    shard_args = dict(window, world=world, global_blocks=work.global_blocks)
+    shards = [cupy.asarray(ref.shard_scores(work.full_scores, rank=r, world=world,
+                                            global_blocks=work.global_blocks))
+              for r in range(world)]
+    seq = cupy.asarray(work.seq_lens)
+    keys = cupy.zeros((world, heads, work.tokens, topk), cupy.int64)
+    for r in range(world):
+        numba_cp.local_topk_keys(shards[r], seq, topk=topk, rank=r, out=keys[r], **shard_args)
+    arrays = dict(scores=shards[0], seq_lens=seq, keys=keys,
+                  out=cupy.zeros((heads, work.tokens, topk), cupy.int64),
+                  topk_idx=cupy.zeros((heads, work.tokens, topk), cupy.int32))
+    if table:
+        arrays.update(
+            attention_block_table=cupy.asarray(np.random.default_rng(seed + 1).integers(
+                0, 1 << 20, size=(batch, work.global_blocks), dtype=np.int32)),
+            sparse_block_table_out=cupy.zeros((work.tokens, topk * PAGES), cupy.int32),
+            sparse_context_lens_out=cupy.zeros((work.tokens,), cupy.int32))
+    return topk, window, shard_args, arrays
+
+
+
 def device_us(call, stream, per_graph, replays):
     """Per-call device time of ``call(stream)``: a graph of ``per_graph`` calls, replayed."""
     import cupy

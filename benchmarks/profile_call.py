@@ -28,7 +28,7 @@ from numba_cp import reference as ref
 from numba_cp.arrays import device_copy
 from numba_cp.workload import decode_workload
 
-from bench_kernels import CASES, INIT_BLOCKS, LOCAL_BLOCKS
+from bench_kernels import case_arrays
 
 
 def exchange(calls):
@@ -88,41 +88,10 @@ class ThroughInterface:
         return self.tensor.__cuda_array_interface__
 
 
-def _case(name, seed):
-    """bench_kernels.py's case ``name``: its workload, window, shard arguments and
-    CuPy arrays (every rank's shard and keys, the outputs zeroed)."""
-    import cupy
-
-    context, world, topk, batch, query_len, heads, table, *_ = CASES[name]
-    work = decode_workload(heads=heads, batch=batch, query_len=query_len, context=context,
-                           seed=seed)
-    window = dict(query_len=query_len, init_blocks=INIT_BLOCKS, local_blocks=LOCAL_BLOCKS)
-    shard_args = dict(window, world=world, global_blocks=work.global_blocks)
-    shards = [cupy.asarray(ref.shard_scores(work.full_scores, rank=r, world=world,
-                                            global_blocks=work.global_blocks))
-              for r in range(world)]
-    seq = cupy.asarray(work.seq_lens)
-    keys = cupy.zeros((world, heads, work.tokens, topk), cupy.int64)
-    for r in range(world):
-        numba_cp.local_topk_keys(shards[r], seq, topk=topk, rank=r, out=keys[r], **shard_args)
-    arrays = dict(scores=shards[0], seq_lens=seq, keys=keys,
-                  out=cupy.zeros((heads, work.tokens, topk), cupy.int64),
-                  topk_idx=cupy.zeros((heads, work.tokens, topk), cupy.int32))
-    if table:
-        from numba_cp.constants import PAGES
-
-        arrays.update(
-            attention_block_table=cupy.asarray(np.random.default_rng(seed + 1).integers(
-                0, 1 << 20, size=(batch, work.global_blocks), dtype=np.int32)),
-            sparse_block_table_out=cupy.zeros((work.tokens, topk * PAGES), cupy.int32),
-            sparse_context_lens_out=cupy.zeros((work.tokens,), cupy.int32))
-    return topk, window, shard_args, arrays
-
-
 def comparison_calls(seed=0):
     """``[(label, call(arrays), CuPy arrays, output names)]``: the calls --torch times."""
     calls = []
-    topk, window, shard_args, b = _case("b", seed)
+    topk, window, shard_args, b = case_arrays("b", seed)
 
     def pack(a):
         numba_cp.local_topk_keys(a["scores"], a["seq_lens"], topk=topk, rank=0, out=a["out"],
@@ -135,7 +104,7 @@ def comparison_calls(seed=0):
                   ("out",)))
     calls.append(("merge (b)", merge, {k: b[k] for k in ("keys", "topk_idx", "seq_lens")},
                   ("topk_idx",)))
-    _, g_window, _, g = _case("g", seed)
+    _, g_window, _, g = case_arrays("g", seed)
     tables = ("attention_block_table", "sparse_block_table_out", "sparse_context_lens_out")
 
     def merge_table(a):

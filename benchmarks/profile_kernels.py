@@ -6,8 +6,8 @@
 
 ``probes``: device µs per call (CUDA-graph replay, as bench_kernels.py) of the
 pack and merge of each case beside three probes with the pack's grid and one
-warp per row: loads independent of seq_lens (``floor_indep``, bench_kernels.py's
-floor), score loads that wait for seq_lens (``floor_dep``), and the same after
+warp per row: loads independent of seq_lens (``floor_indep``: bench_kernels.py's
+floor probe), score loads that wait for seq_lens (``floor_dep``), and the same after
 two int64 divisions (``floor_div64``). Their differences price a dependent
 memory round trip and a division chain in the kernels' setting.
 
@@ -21,63 +21,31 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
-
 import numba_cp
-from bench_kernels import CASES, INIT_BLOCKS, LOCAL_BLOCKS, device_us
+from bench_kernels import CASES, case_arrays, device_us, floor_kernel
 from numba_cp import ops
-from numba_cp import reference as ref
-from numba_cp.constants import PAGES
-from numba_cp.workload import decode_workload
 
 
 def build(name):
     """``(pack, merge, table_on, shard, seq_lens, out)`` of a bench_kernels case."""
-    import cupy
-
-    context, world, topk, batch, query_len, heads, table_on = CASES[name]
-    work = decode_workload(heads=heads, batch=batch, query_len=query_len, context=context, seed=0)
-    window = dict(query_len=query_len, init_blocks=INIT_BLOCKS, local_blocks=LOCAL_BLOCKS)
-    shard_args = dict(window, world=world, global_blocks=work.global_blocks)
-    shards = [cupy.asarray(ref.shard_scores(work.full_scores, rank=r, world=world,
-                                            global_blocks=work.global_blocks))
-              for r in range(world)]
-    seq_lens = cupy.asarray(work.seq_lens)
-    gathered = cupy.zeros((world, heads, work.tokens, topk), cupy.int64)
-    for r in range(world):
-        numba_cp.local_topk_keys(shards[r], seq_lens, topk=topk, rank=r, out=gathered[r],
-                                 **shard_args)
-    out = gathered[0].copy()
-    topk_idx = cupy.zeros((heads, work.tokens, topk), cupy.int32)
-    tables = {}
-    if table_on:
-        host_table = np.random.default_rng(1).integers(
-            0, 1 << 20, size=(batch, work.global_blocks), dtype=np.int32)
-        tables = dict(attention_block_table=cupy.asarray(host_table),
-                      sparse_block_table_out=cupy.zeros((work.tokens, topk * PAGES), cupy.int32),
-                      sparse_context_lens_out=cupy.zeros((work.tokens,), cupy.int32))
+    topk, window, shard_args, a = case_arrays(name)
+    table_on = CASES[name][6]
+    tables = {k: a[k] for k in ("attention_block_table", "sparse_block_table_out",
+                                "sparse_context_lens_out") if k in a}
 
     def pack(stream=None):
-        numba_cp.local_topk_keys(shards[0], seq_lens, topk=topk, rank=0, out=out, stream=stream,
-                                 **shard_args)
+        numba_cp.local_topk_keys(a["scores"], a["seq_lens"], topk=topk, rank=0, out=a["out"],
+                                 stream=stream, **shard_args)
 
     def merge(stream=None):
-        numba_cp.merge_topk_keys(gathered, topk_idx, seq_lens, stream=stream, **window, **tables)
+        numba_cp.merge_topk_keys(a["keys"], a["topk_idx"], a["seq_lens"], stream=stream,
+                                 **window, **tables)
 
-    return pack, merge, table_on, shards[0], seq_lens, out
+    return pack, merge, table_on, a["scores"], a["seq_lens"], a["out"]
 
 
 def probe_kernels():
     from numba import cuda, int64
-
-    @cuda.jit
-    def floor_indep(scores, seq_lens, out):
-        row = cuda.blockIdx.x
-        head = cuda.blockIdx.y
-        lane = cuda.threadIdx.x
-        n = seq_lens[row]
-        if lane < scores.shape[2]:
-            out[head, row, lane] = int(scores[head, row, lane] > 0) + n
 
     @cuda.jit
     def floor_dep(scores, seq_lens, out):
@@ -99,7 +67,7 @@ def probe_kernels():
         if lane < scores.shape[2]:
             out[head, row, lane] = int(scores[head, row, lane] > 0) + n + c
 
-    return floor_indep, floor_dep, floor_div64
+    return floor_kernel(), floor_dep, floor_div64
 
 
 def probes(cases):
