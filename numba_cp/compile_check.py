@@ -84,7 +84,8 @@ def specialisations():
             for factory in (family.pack_kernel, family.merge_kernel, family.merge_table_kernel,
                             family.merge_keys_kernel, family.select_kernel,
                             family.select_table_kernel, family.pack_to_peers_kernel,
-                            family.merge_delivered_kernel, family.merge_delivered_table_kernel):
+                            family.merge_delivered_kernel, family.merge_delivered_table_kernel,
+                            family.merge_delivered_keys_kernel):
                 kernel = factory(*shape)
                 name = _numba.kernel_py_func(kernel).__name__
                 yield f"{name}[{label}]", kernel.py_func, signature(kernel, integer)

@@ -40,7 +40,7 @@ from .nodes import node_layout, sizes_from_env
 from .ops import (check_local_topk_keys, check_merge_topk_keys, choose_method,
                   global_topk_ids, merge_keys,
                   local_topk_keys, local_topk_keys_to_peers, merge_delivered_keys,
-                  merge_topk_keys)
+                  merge_delivered_to_keys, merge_topk_keys)
 
 __all__ = ["ExchangeConfig", "CandidateExchange", "CapturedExchange", "owned_heads",
            "record_graph"]
@@ -129,8 +129,11 @@ class CandidateExchange:
         fused: with a transport that lets the kernels gather (``ipc``, up to
             8 ranks), the pack writes its keys straight into every rank's
             exchange buffer and the merge reads them there: two kernels per
-            exchange. ``None`` (default): fused where possible; ``False``: pack,
-            gather and merge as separate steps; ``True``: fused or an error.
+            exchange. With ``hierarchy="node"`` the node level is what fuses
+            (an IPC transport inside the node, up to 8 ranks per node): pack and
+            a merge to the node's keys, then the nodes' gather and the merge.
+            ``None`` (default): fused where possible; ``False``: pack, gather
+            and merge as separate steps; ``True``: fused or an error.
         method, threads, sort_limit: kernel choice and launch tuning, passed
             through to :func:`~numba_cp.local_topk_keys` and the merge.
 
@@ -198,7 +201,12 @@ class CandidateExchange:
             raise ValueError(f"fused=True, but {why_not}")
         if c.world > 1 and self._levels is None:  # sized for max_tokens, serves every count
             self.transport.setup((c.heads, c.max_tokens, per_shard), np.int64)
-        self._delivery = self.transport.delivery() if self.fused else None
+        # The flat exchange's delivery; a fused node level keeps its own.
+        self._delivery = None
+        if self.fused and self._levels is None:
+            self._delivery = self.transport.delivery()
+        elif self.fused:
+            self._levels.fuse()
         # Flat storage: the first `tokens` rows of every buffer form one contiguous
         # [heads, tokens, ...] block, so calls with fewer tokens keep SPEC's layout.
         place = self._place
@@ -226,7 +234,15 @@ class CandidateExchange:
         if requested is False:
             return False, "fused=False"
         if self._levels is not None:
-            return False, "the two-level exchange gathers in separate steps"
+            fusible, why_not = self._levels.fusion()
+            if requested:
+                # Nodes may differ (each chose its transport): every rank learns whether
+                # any cannot fuse, so that fused=True raises everywhere or nowhere.
+                refusals = [why for ok, why in agree(self._control, "CandidateExchange fused",
+                                                     payload=(fusible, why_not)) if not ok]
+                if refusals:
+                    return False, refusals[0]
+            return fusible, why_not
         if c.world == 1:
             return False, "world 1 needs no gather"
         if not t.delivers:
@@ -261,7 +277,7 @@ class CandidateExchange:
                 ctx = self._ctx[:merged * tokens].reshape(merged, tokens)
             owned = slice(self.heads.start, self.heads.stop)
             delivered = None
-            if self._delivery is not None:
+            if self._delivery is not None:  # the flat fused exchange
                 delivered = self._delivery.keys_view((c.heads, tokens, per_shard), owned)
             views = self._views[tokens] = _Views(send, recv, recv[:, owned], idx, sbt, ctx,
                                                  delivered)
@@ -383,6 +399,16 @@ class CandidateExchange:
                              stream=stream, **kwargs)
         return self._outputs(tokens)
 
+    def _exchange_node_delivered(self, scores, seq_lens, attention_block_table, stream):
+        """Two levels, the node's in two kernels: the pack delivers into every rank of the
+        node, a merge keeps the node's keys in place; then the nodes' gather and merge."""
+        tokens = self._tokens_of(scores)
+        args, kwargs = self._pack_arguments(scores, seq_lens, tokens)
+        del kwargs["out"]
+        self._levels.exchange_delivered(args, kwargs, self._views_for(tokens).recv, seq_lens,
+                                        stream)
+        return self._merge(seq_lens, tokens, attention_block_table, stream)
+
     def __call__(self, scores, seq_lens, *, attention_block_table=None, stream=None):
         """The whole exchange. Returns ``topk_idx`` ``[merged heads, tokens, topk]``,
         or ``(topk_idx, sparse_block_table, context_lens)`` with ``sparse_table``.
@@ -402,10 +428,13 @@ class CandidateExchange:
         # Once for every step: left to each, the steps on the plan's own buffers
         # would pick CuPy's stream while a PyTorch caller's pack took PyTorch's.
         stream = resolve_stream(stream, scores)
-        if self.fused:
+        if self._delivery is not None:
             return self._exchange_delivered(scores, seq_lens, attention_block_table, stream)
         if self._whole_rows:
             return self._exchange_whole_rows(scores, seq_lens, attention_block_table, stream)
+        if self.fused:  # the two-level exchange, its node level fused
+            return self._exchange_node_delivered(scores, seq_lens, attention_block_table,
+                                                 stream)
         self._pack(scores, seq_lens, stream)
         tokens = scores.shape[1]
         self._all_gather(tokens, stream, seq_lens)
@@ -522,8 +551,11 @@ class CandidateExchange:
             return self.merge(seq_lens, tokens, attention_block_table=attention_block_table,
                               stream=s)
 
-        if self.fused or self._whole_rows:
-            one_pass = self._exchange_delivered if self.fused else self._exchange_whole_rows
+        # A fused node level is captured as separate steps (the same protocol): the nodes'
+        # gather blocks on MPI between pack and merge anyway.
+        flat_fused = self._delivery is not None
+        if flat_fused or self._whole_rows:
+            one_pass = self._exchange_delivered if flat_fused else self._exchange_whole_rows
 
             def exchange(s):
                 self._refuse_if_failed()
@@ -550,6 +582,11 @@ class _NodeLevels:
     and the nodes' leaders send those over one MPI all-gather on the whole
     communicator (:class:`~numba_cp.comm.LeaderAllGather`). Every rank of a node
     holds the same node keys, so every rank then merges every node's keys.
+
+    Fused (:meth:`fuse`, a transport that delivers): the pack writes the keys
+    straight into every node rank's exchange buffer, at the rank's place in the
+    node, and :func:`~numba_cp.ops.merge_delivered_to_keys` waits for them and
+    keeps the node's keys where they landed; the same keys as gathered.
     """
 
     def __init__(self, plan, sizes, transport):
@@ -565,10 +602,56 @@ class _NodeLevels:
         place = plan._place
         self._node_recv = place(np.zeros(ranks * c.heads * c.max_tokens * c.shard_keys,
                                          np.int64))
-        self._node_keys = place(np.zeros(c.heads * c.max_tokens * c.topk, np.int64))
+        self._node_keys_flat = place(np.zeros(c.heads * c.max_tokens * c.topk, np.int64))
         self.across = LeaderAllGather(comm, self.layout.leaders,
                                       c.heads * c.max_tokens * c.topk * 8,
                                       device=plan._device_payload)
+        self.fused = False
+        self._delivery = None
+        self._delivered = {}  # tokens -> the delivered keys' view, both halves
+
+    def fusion(self):
+        """``(fused, why not)`` for this node's transport."""
+        t, ranks = self.transport, self.node_comm.Get_size()
+        if not t.delivers:
+            return False, (f"the {t.name} transport inside the node of rank {self.plan.rank} "
+                           "cannot be fused into the kernels")
+        if ranks > PEER_SLOTS:
+            return False, (f"the fused node level serves up to {PEER_SLOTS} ranks per node, "
+                           f"not {ranks}")
+        return True, ""
+
+    def fuse(self):
+        """Take the node transport's delivery: :meth:`exchange_delivered` may run."""
+        self._delivery = self.transport.delivery()
+        self.fused = True
+
+    def _node_keys(self, heads, tokens):
+        c = self.plan.config
+        return self._node_keys_flat[:heads * tokens * c.topk].reshape(heads, tokens, c.topk)
+
+    def exchange_delivered(self, pack_args, pack_kwargs, recv, seq_lens, stream):
+        """The fused node level, then the nodes' gather into ``recv``. ``pack_args`` and
+        ``pack_kwargs``: the plan's pack arguments but the output."""
+        c, d = self.plan.config, self._delivery
+        heads, tokens = c.heads, int(pack_args[0].shape[1])
+        keys = self._delivered.get(tokens)
+        if keys is None:
+            keys = self._delivered[tokens] = d.keys_view((heads, tokens, c.shard_keys),
+                                                         slice(None))
+        local_topk_keys_to_peers(*pack_args, ctrl=d.ctrl, peers=d.peers,
+                                 data_start=d.data_start, slot=d.slot,
+                                 peer_rank=self.node_comm.Get_rank(), stream=stream,
+                                 **pack_kwargs)
+        if not d.wait_in_merge:
+            d.wait(stream)
+        node_keys = self._node_keys(heads, tokens)
+        merge_delivered_to_keys(keys, seq_lens, topk=c.topk, ctrl=d.ctrl, flags=d.flags,
+                                errors=d.errors, timeout_ns=d.timeout_ns,
+                                block_wait=d.wait_in_merge, query_len=c.query_len,
+                                init_blocks=c.init_blocks, local_blocks=c.local_blocks,
+                                out=node_keys, stream=stream, **self.plan.launch)
+        return self.across.all_gather(node_keys, recv, stream=stream)
 
     def all_gather(self, send, recv, seq_lens, stream):
         c = self.plan.config
@@ -576,7 +659,7 @@ class _NodeLevels:
         ranks = self.node_comm.Get_size()
         node_recv = self._node_recv[:ranks * heads * tokens * per_shard].reshape(
             ranks, heads, tokens, per_shard)
-        node_keys = self._node_keys[:heads * tokens * c.topk].reshape(heads, tokens, c.topk)
+        node_keys = self._node_keys(heads, tokens)
         self.transport.all_gather(send, node_recv, stream=stream)
         merge_keys(node_recv, seq_lens, topk=c.topk, query_len=c.query_len,
                    init_blocks=c.init_blocks, local_blocks=c.local_blocks, out=node_keys,
@@ -587,10 +670,13 @@ class _NodeLevels:
         t = self.transport
         reason = f" ({t.reason})" if getattr(t, "reason", "") else ""
         sizes = ",".join(map(str, self.layout.sizes()))
+        fused = ", fused into pack and merge" if self.fused else ""
         return (f"two-level: {self.layout.nodes} node(s) of {sizes} rank(s); inside a node "
-                f"{t.name}{reason}; across nodes the leaders' MPI all-gather")
+                f"{t.name}{reason}{fused}; across nodes the leaders' MPI all-gather")
 
     def close(self):
+        self._delivered.clear()
+        self._delivery = None
         try:
             self.transport.teardown(collective=False)
         finally:

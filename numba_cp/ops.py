@@ -20,7 +20,7 @@ from .launcher import KernelLaunch, LaunchCache
 
 __all__ = ["local_topk_keys", "merge_topk_keys", "check_local_topk_keys",
            "check_merge_topk_keys", "METHODS", "choose_method", "merge_keys", "global_topk_ids",
-           "local_topk_keys_to_peers", "merge_delivered_keys"]
+           "local_topk_keys_to_peers", "merge_delivered_keys", "merge_delivered_to_keys"]
 
 # "warp": warps sort in registers (numba_cp.kernels.warp), for topk up to
 # lanes * MAX_LANE_SLOTS; "radix": block-wide radix select + shared-memory sort
@@ -255,48 +255,63 @@ def _family(topk, candidates, method, threads, sort_limit, merge):
 
 def local_topk_keys_to_peers(scores, seq_lens, *, topk, rank, world, query_len, global_blocks,
                              init_blocks, local_blocks, ctrl, peers, data_start, slot,
-                             stream=None, method="auto", threads=None, sort_limit=None):
-    """:func:`local_topk_keys`, delivering the keys into every rank's exchange buffer.
+                             peer_rank=None, stream=None, method="auto", threads=None,
+                             sort_limit=None):
+    """:func:`local_topk_keys`, delivering the keys into every peer's exchange buffer.
 
     The pack of the fused IPC exchange (protocol: :mod:`numba_cp.kernels.ipc`):
-    ``peers[q]`` is rank ``q``'s whole exchange buffer as int64 words (flags
-    from word 0, the two data halves of ``world`` slots of ``slot`` words from
-    ``data_start``), ``ctrl`` this rank's control words. The keys land in the
-    send layout ``[heads, tokens, topk]`` of this rank's slot, and the grid's
-    last block raises this rank's flag in every peer.
+    ``peers[q]`` is peer ``q``'s whole exchange buffer as int64 words (flags
+    from word 0, the two data halves of ``len(peers)`` slots of ``slot`` words
+    from ``data_start``), ``ctrl`` this rank's control words. The keys land in
+    the send layout ``[heads, tokens, topk]`` of slot ``peer_rank``, and the
+    grid's last block raises flag ``peer_rank`` in every peer.
+
+    ``rank`` and ``world`` say which blocks the shard holds; ``peer_rank``
+    (default ``rank``, and then ``peers`` is every rank's buffer) is this
+    rank's index among ``peers``: in a two-level exchange its place in its
+    node, whose ranks are the peers.
     """
     # Unused peer parameters repeat a buffer; the kernel never touches them.
     arrays = (scores, seq_lens, ctrl, *peers, *peers[:1] * (ipc_kernels.PEER_SLOTS - len(peers)))
     launch, pointers = _PACK_LAUNCHES.launch_for(
         arrays, (topk, rank, world, query_len, global_blocks, init_blocks, local_blocks,
-                 data_start, slot, len(peers), method, threads, sort_limit), _plan_pack_to_peers)
+                 data_start, slot, peer_rank, len(peers), method, threads, sort_limit),
+        _plan_pack_to_peers)
     launch(arrays, stream, pointers)
 
 
 def _plan_pack_to_peers(arrays, topk, rank, world, query_len, global_blocks, init_blocks,
-                        local_blocks, data_start, slot, npeers, method, threads, sort_limit):
+                        local_blocks, data_start, slot, peer_rank, npeers, method, threads,
+                        sort_limit):
     scores_a, seq_lens_a = (as_kernel_array(a, name) for a, name in
                             zip(arrays, ("scores", "seq_lens")))
     scalars = _pack_scalars(scores_a, seq_lens_a, topk, rank, world, query_len, global_blocks,
                             init_blocks, local_blocks)
-    world = scalars[2]
-    if not 1 <= world <= ipc_kernels.PEER_SLOTS:
-        raise ValueError(f"world: delivering packs serve 1 to {ipc_kernels.PEER_SLOTS} ranks, "
-                         f"got {world}")
-    if npeers != world:
-        raise ValueError(f"peers: one exchange buffer per rank ({world}), got {npeers}")
+    if peer_rank is None:  # the flat exchange: the peers are every rank
+        world = scalars[2]
+        if not 1 <= world <= ipc_kernels.PEER_SLOTS:
+            raise ValueError(f"world: delivering packs serve 1 to {ipc_kernels.PEER_SLOTS} "
+                             f"ranks, got {world}")
+        if npeers != world:
+            raise ValueError(f"peers: one exchange buffer per rank ({world}), got {npeers}")
+        peer_rank = scalars[1]
+    else:
+        if not 1 <= npeers <= ipc_kernels.PEER_SLOTS:
+            raise ValueError(f"peers: delivering packs serve 1 to {ipc_kernels.PEER_SLOTS} "
+                             f"peers, got {npeers}")
+        peer_rank = validate.integer("peer_rank", peer_rank, low=0, high=npeers)
     heads, tokens, _ = scores_a.shape
     slot = validate.integer("slot", slot, low=heads * tokens * scalars[0])
-    data_start = validate.integer("data_start", data_start, low=world + 1)
+    data_start = validate.integer("data_start", data_start, low=npeers + 1)
     ctrl_a = as_kernel_array(arrays[2], "ctrl")
     _words(ctrl_a, ipc_kernels.CTRL_WORDS)
-    for q in range(world):
-        _words(as_kernel_array(arrays[3 + q], f"peers[{q}]"), data_start + 2 * world * slot)
+    for q in range(npeers):
+        _words(as_kernel_array(arrays[3 + q], f"peers[{q}]"), data_start + 2 * npeers * slot)
     family, shape, threads = _pack_family(scalars, method, threads, sort_limit)
     if not (heads and tokens):
         return _NoWork()
     return KernelLaunch(family.pack_to_peers_kernel(*shape), (tokens, heads), threads,
-                        scalars + [data_start, slot])
+                        scalars + [data_start, slot, peer_rank, npeers])
 
 
 def _words(array, least):
@@ -499,20 +514,78 @@ def merge_keys(keys, seq_lens, *, topk, query_len, init_blocks, local_blocks, ou
 
 def _plan_merge_keys(arrays, topk, query_len, init_blocks, local_blocks, method, threads,
                      sort_limit):
+    keys_a = as_kernel_array(arrays[0], "keys")
+    return _merge_keys_launch_for(keys_a, keys_a.shape[0] if keys_a.ndim == 4 else 0,
+                                  arrays[1:], [], [], topk, query_len, init_blocks,
+                                  local_blocks, method, threads, sort_limit)
+
+
+def _merge_keys_launch_for(keys_a, ranks, arrays, waits, wait_scalars, topk, query_len,
+                           init_blocks, local_blocks, method, threads, sort_limit):
+    """The merge-to-keys launch over ``ranks`` ranks' keys; with ``waits`` (ctrl, flags,
+    errors) the delivered kernel, which takes them after ``seq_lens``."""
     topk = validate.integer("topk", topk, low=1, high=MAX_TOPK + 1)
     query_len, init_blocks, local_blocks = _window(query_len, init_blocks, local_blocks)
-    keys_a, out_a, seq_lens_a = (as_kernel_array(a, name) for a, name in
-                                 zip(arrays, ("keys", "out", "seq_lens")))
-    ranks, heads, tokens, per_shard = _merge_shapes(keys_a, out_a, "int64", "ranks")
+    out_a, seq_lens_a = (as_kernel_array(a, name) for a, name in zip(arrays, ("out", "seq_lens")))
+    _, heads, tokens, per_shard = _merge_shapes(keys_a, out_a, "int64", "ranks")
     validate.dim_at_least(out_a, 2, topk, "topk")
     validate.rows(tokens, query_len, seq_lens_a)
     family, shape, threads = _family(topk, ranks * per_shard, method, threads, sort_limit,
                                      merge=True)
     if not (heads and tokens):
         return _NoWork()
-    return KernelLaunch(family.merge_keys_kernel(*shape), (tokens, heads), threads,
-                        [topk, query_len, init_blocks, local_blocks],
-                        footprint=validate.Footprint([keys_a, out_a, seq_lens_a], {"out"}))
+    kernel = (family.merge_delivered_keys_kernel if waits else family.merge_keys_kernel)(*shape)
+    return KernelLaunch(kernel, (tokens, heads), threads,
+                        [topk, query_len, init_blocks, local_blocks] + wait_scalars,
+                        footprint=validate.Footprint([keys_a, out_a, seq_lens_a] + waits,
+                                                     {"out"}))
+
+
+def merge_delivered_to_keys(keys, seq_lens, *, topk, ctrl, flags, errors, timeout_ns, query_len,
+                            init_blocks, local_blocks, out, block_wait=True, stream=None,
+                            method="auto", threads=None, sort_limit=None):
+    """:func:`merge_keys` of the fused IPC exchange: wait, then merge in place to keys.
+
+    The node level of a two-level exchange in two kernels: after
+    :func:`local_topk_keys_to_peers` delivered every node rank's keys,
+    ``keys`` (int64 ``[2 * ranks, heads, tokens, per_shard]``, both halves of
+    this rank's exchange buffer) is waited on and read as
+    :func:`merge_delivered_keys` does, and ``out`` receives what
+    :func:`merge_keys` writes from the gathered keys. Arguments as those two.
+    """
+    arrays = (keys, out, seq_lens, ctrl, flags, errors)
+    launch, pointers = _MERGE_LAUNCHES.launch_for(
+        arrays, (topk, timeout_ns, block_wait, query_len, init_blocks, local_blocks, method,
+                 threads, sort_limit), _plan_merge_delivered_to_keys)
+    launch(arrays, stream, pointers)
+    return out
+
+
+def _plan_merge_delivered_to_keys(arrays, topk, timeout_ns, block_wait, query_len, init_blocks,
+                                  local_blocks, method, threads, sort_limit):
+    keys_a = as_kernel_array(arrays[0], "keys")
+    world, waits, wait_scalars = _delivered_waits(keys_a, arrays[3:6], timeout_ns, block_wait)
+    return _merge_keys_launch_for(keys_a, world, arrays[1:3], waits, wait_scalars, topk,
+                                  query_len, init_blocks, local_blocks, method, threads,
+                                  sort_limit)
+
+
+def _delivered_waits(keys_a, wait_arrays, timeout_ns, block_wait):
+    """``(ranks, [ctrl, flags, errors], [timeout_ns, block_wait])`` of a delivered merge,
+    validated; ``keys_a`` is both halves of the exchange buffer's slots."""
+    halves = keys_a.shape[0] if keys_a.ndim == 4 else 0
+    if halves < 2 or halves % 2:
+        raise ValueError(f"keys: [2 * world, heads, tokens, per_shard] (both halves of the "
+                         f"exchange buffer), got shape {keys_a.shape}")
+    world = halves // 2
+    waits = [as_kernel_array(a, name) for a, name in zip(wait_arrays, ("ctrl", "flags", "errors"))]
+    for array, least in zip(waits, (ipc_kernels.CTRL_WORDS, world + 1,
+                                    ipc_kernels.ERROR_WORDS)):
+        _words(array, least)
+    timeout_ns = validate.integer("timeout_ns", timeout_ns, low=1)
+    if not isinstance(block_wait, (bool, np.bool_)):
+        raise TypeError(f"block_wait must be a bool, got {type(block_wait).__name__}")
+    return world, waits, [timeout_ns, int(block_wait)]
 
 
 def merge_delivered_keys(keys, topk_idx, seq_lens, *, ctrl, flags, errors, timeout_ns,
@@ -544,20 +617,8 @@ def merge_delivered_keys(keys, topk_idx, seq_lens, *, ctrl, flags, errors, timeo
 def _plan_merge_delivered(arrays, timeout_ns, block_wait, query_len, init_blocks, local_blocks,
                           block_page_stride, method, threads, sort_limit):
     keys_a = as_kernel_array(arrays[0], "keys")
-    halves = keys_a.shape[0] if keys_a.ndim == 4 else 0
-    if halves < 2 or halves % 2:
-        raise ValueError(f"keys: [2 * world, heads, tokens, per_shard] (both halves of the "
-                         f"exchange buffer), got shape {keys_a.shape}")
-    world = halves // 2
-    waits = [as_kernel_array(a, name) for a, name in zip(arrays[3:6], ("ctrl", "flags", "errors"))]
-    for array, least in zip(waits, (ipc_kernels.CTRL_WORDS, world + 1,
-                                    ipc_kernels.ERROR_WORDS)):
-        _words(array, least)
-    timeout_ns = validate.integer("timeout_ns", timeout_ns, low=1)
-    if not isinstance(block_wait, (bool, np.bool_)):
-        raise TypeError(f"block_wait must be a bool, got {type(block_wait).__name__}")
-    return _merge_launch_for(keys_a, world, arrays[1:3] + arrays[6:], waits,
-                             [timeout_ns, int(block_wait)],
+    world, waits, wait_scalars = _delivered_waits(keys_a, arrays[3:6], timeout_ns, block_wait)
+    return _merge_launch_for(keys_a, world, arrays[1:3] + arrays[6:], waits, wait_scalars,
                              query_len, init_blocks, local_blocks, block_page_stride, method,
                              threads, sort_limit)
 

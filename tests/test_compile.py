@@ -77,11 +77,12 @@ def test_every_kernel_compiles_to_ptx_for_sm90():
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if "[cap=" in line]
-    # 2 sort tiles x 2 seq_lens dtypes x 9 kernels (pack, merge, merge + table, merge to
-    # keys, world 1's one kernel with and without the table; the fused exchange's three)
-    assert len(lines) == 36 and all(" ok " in line for line in lines), proc.stdout
+    # 2 sort tiles x 2 seq_lens dtypes x 10 kernels (pack, merge, merge + table, merge to
+    # keys, world 1's one kernel with and without the table; the fused exchange's three and
+    # the fused node level's merge to keys)
+    assert len(lines) == 40 and all(" ok " in line for line in lines), proc.stdout
     warp = [line for line in proc.stdout.splitlines() if "_warp[" in line]
-    assert len(warp) == 18, proc.stdout  # register-only: a local-memory depot fails the line
+    assert len(warp) == 20, proc.stdout  # register-only: a local-memory depot fails the line
     assert all(" ok " in line and " 0 B local memory" in line for line in warp), proc.stdout
     ipc = [line for line in proc.stdout.splitlines() if line.startswith("ipc_")]
     assert len(ipc) == 6 and all(" ok " in line for line in ipc), proc.stdout  # IPC all-gather
@@ -102,7 +103,8 @@ WAIT = (b"ld.acquire.sys", b"membar.sys", b"nanosleep")
 NEEDS = {"ipc_push": SIGNAL, "ipc_wait_copy": WAIT, "ipc_bump": (), "ipc_wait": WAIT,
          "shard_topk_keys_to_peers_warp": SIGNAL, "merge_delivered_topk_ids_warp": WAIT,
          "merge_delivered_topk_ids_and_table_warp": WAIT, "shard_topk_keys_to_peers": SIGNAL,
-         "merge_delivered_topk_ids": WAIT, "merge_delivered_topk_ids_and_table": WAIT}
+         "merge_delivered_topk_ids": WAIT, "merge_delivered_topk_ids_and_table": WAIT,
+         "merge_delivered_topk_keys_warp": WAIT, "merge_delivered_topk_keys": WAIT}
 FUSED_SHAPES = ("[run=16,slots=2,warps=1]", "[cap=16,seq_lens=int32]")
 with stand_in_device("cuda", compute_capability=(9, 0)):
     for label, fn, sig in specialisations():
@@ -134,7 +136,7 @@ def test_ipc_kernels_assemble_for_sm90():
     fused = [f"{name}{shape}" for shape, suffix in (("[run=16,slots=2,warps=1]", "_warp"),
                                                      ("[cap=16,seq_lens=int32]", ""))
              for name in ("shard_topk_keys_to_peers", "merge_delivered_topk_ids",
-                          "merge_delivered_topk_ids_and_table")
+                          "merge_delivered_topk_ids_and_table", "merge_delivered_topk_keys")
              for name in [name + suffix]]
     assert labels == fused + [
         "ipc_bump[ctrl=int64]", "ipc_push[unit=uint64]", "ipc_push[unit=uint8]",

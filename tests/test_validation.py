@@ -247,6 +247,10 @@ def _delivery_arrays(world=2, heads=2, tokens=4, topk=4, slot=None):
     (dict(data_start=2), ValueError, "data_start"),
     (dict(short_peer=True), ValueError, r"peers\[1\]"),
     (dict(ctrl_dtype=np.int32), TypeError, "ctrl"),
+    (dict(peer_rank=2), ValueError, "peer_rank"),
+    (dict(peer_rank=-1), ValueError, "peer_rank"),
+    (dict(peer_rank=True), TypeError, "peer_rank"),
+    (dict(peer_rank=0, peers_count=9), ValueError, "peers: delivering packs serve 1 to 8 peers"),
 ])
 def test_delivering_pack_rejects(change, error, message):
     world = change.get("world", 2)
@@ -255,6 +259,10 @@ def test_delivering_pack_rejects(change, error, message):
         arrays["peers"] = arrays["peers"][:change["peers_count"]]
     if change.get("short_peer"):
         arrays["peers"][1] = to_device(np.zeros(10, np.int64))
+    if change.get("peers_count", 0) > len(arrays["peers"]):
+        arrays["peers"] = [arrays["peers"][0]] * change["peers_count"]
+    if "peer_rank" in change:
+        arrays["peer_rank"] = change["peer_rank"]
     if "ctrl_dtype" in change:
         arrays["ctrl"] = to_device(np.zeros(8, change["ctrl_dtype"]))
     for key in ("slot", "data_start"):
@@ -280,3 +288,25 @@ def test_delivered_merge_rejects(halves, flags, error, message):
             ctrl=to_device(np.zeros(8, np.int64)), flags=to_device(np.zeros(flags, np.int64)),
             errors=to_device(np.zeros(4, np.int64)), timeout_ns=10**9, query_len=1,
             init_blocks=1, local_blocks=1)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(halves=3), ValueError, r"keys: \[2 \* world"),
+    (dict(flags=2), ValueError, "flags"),
+    (dict(topk=0), ValueError, "topk"),
+    (dict(out_topk=3), ValueError, "out"),
+    (dict(out_dtype=np.int32), TypeError, "out"),
+    (dict(block_wait=1), TypeError, "block_wait"),
+    (dict(timeout_ns=0), ValueError, "timeout_ns"),
+])
+def test_delivered_merge_to_keys_rejects(change, error, message):
+    keys = to_device(np.zeros((change.get("halves", 4), 2, 4, 4), np.int64))
+    out = to_device(np.zeros((2, 4, change.get("out_topk", 4)), change.get("out_dtype", np.int64)))
+    with pytest.raises(error, match=message):
+        numba_cp.ops.merge_delivered_to_keys(
+            keys, to_device(np.full(4, 128, np.int32)), topk=change.get("topk", 4),
+            ctrl=to_device(np.zeros(8, np.int64)),
+            flags=to_device(np.zeros(change.get("flags", 3), np.int64)),
+            errors=to_device(np.zeros(4, np.int64)), timeout_ns=change.get("timeout_ns", 10**9),
+            block_wait=change.get("block_wait", True), query_len=1, init_blocks=1,
+            local_blocks=1, out=out)

@@ -98,8 +98,11 @@ each other on one transport. The failure path is the same too: a merge that
 gives up records it in ``ctrl`` and the error words, and the next pack
 poisons every peer before it writes a key.
 
-Scope: the pack takes every rank's buffer as a kernel argument, up to
-:data:`PEER_SLOTS` (one node's GPUs); larger worlds gather in separate steps.
+Scope: the pack takes every peer's buffer as a kernel argument, up to
+:data:`PEER_SLOTS` (one node's GPUs); larger worlds gather in separate steps, or
+in two levels, whose node level is this protocol over the node's ranks: the pack
+is addressed by its place in the node (``peer_rank``, ``npeers``), its shard
+still by its global rank and world.
 
 Memory ordering, per backend (the helpers live in :mod:`.primitives`, like every
 per-target primitive; nothing here differs between targets):

@@ -30,7 +30,8 @@ from ..constants import KEY_VALID_BIT
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
 from .params import declare
 from .primitives import WARP_LANES, shared_atomic_add
-from .rows import (MERGE_DELIVERED_PARAMS, MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
+from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
+                   MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
                    SELECT_PARAMS, SELECT_TABLE_PARAMS, gathered_candidate_key, gathered_row,
                    merged_block, shard_candidate_key, shard_row, table_writer, whole_row)
@@ -38,7 +39,7 @@ from .rows import (MERGE_DELIVERED_PARAMS, MERGE_DELIVERED_TABLE_PARAMS, MERGE_K
 __all__ = ["make_block_topk", "pack_kernel", "merge_kernel", "merge_table_kernel",
            "merge_keys_kernel", "select_kernel", "select_table_kernel",
            "pack_to_peers_kernel", "merge_delivered_kernel", "merge_delivered_table_kernel",
-           "TABLE_THREADS"]
+           "merge_delivered_keys_kernel", "TABLE_THREADS"]
 
 RADIX_BITS = 8
 RADIX = 1 << RADIX_BITS
@@ -227,23 +228,24 @@ def pack_to_peers_kernel(capacity):
     @declare(*PACK_TO_PEERS_PARAMS)
     def shard_topk_keys_to_peers(scores, seq_lens, ctrl, peer0, peer1, peer2, peer3, peer4,
                                  peer5, peer6, peer7, topk, rank, world, query_len,
-                                 global_blocks, init_blocks, local_blocks, data_start, slot):
+                                 global_blocks, init_blocks, local_blocks, data_start, slot,
+                                 peer_rank, npeers):
         epoch_box = cuda.shared.array(1, int64)
         epoch = open_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7,
-                              world, rank, epoch_box)
+                              npeers, peer_rank, epoch_box)
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
         head, row, count, ctx = shard_row(scores, seq_lens, rank, world, query_len,
                                           global_blocks, init_blocks, local_blocks)
         block_topk(scores, ctx, count, topk, sel, hist, state)
-        base = delivery_base(data_start, epoch, world, rank, slot, head, row, scores.shape[1],
-                             topk)
+        base = delivery_base(data_start, epoch, npeers, peer_rank, slot, head, row,
+                             scores.shape[1], topk)
         for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
-            deliver_key(peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world, base + j,
+            deliver_key(peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, npeers, base + j,
                         sel[j])
-        close_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world, rank,
-                       epoch)
+        close_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, npeers,
+                       peer_rank, epoch)
 
     return shard_topk_keys_to_peers
 
@@ -411,9 +413,27 @@ def merge_table_kernel(capacity):
 
 
 @lru_cache(maxsize=None)
+def _merge_keys_select(capacity):
+    block_topk = make_block_topk(gathered_candidate_key, capacity)
+
+    @cuda.jit(device=True)
+    def merge_keys_select(keys, first, world, out, seq_lens, topk, query_len, init_blocks,
+                          local_blocks, sel, hist, state):
+        """Merge this block's (head, row) from ``keys[first:first + world]``; writes the
+        top ``topk`` keys into ``out``."""
+        head, row, _, _, _, count, ctx = gathered_row(keys, first, world, seq_lens, query_len,
+                                                      init_blocks, local_blocks)
+        block_topk(keys, ctx, count, topk, sel, hist, state)
+        for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
+            out[head, row, j] = sel[j]
+
+    return merge_keys_select
+
+
+@lru_cache(maxsize=None)
 def merge_keys_kernel(capacity):
     """The two-level exchange's first merge: gathered keys -> the top ``topk`` keys."""
-    block_topk = make_block_topk(gathered_candidate_key, capacity)
+    merge_keys_select = _merge_keys_select(capacity)
 
     @cuda.jit
     @declare(*MERGE_KEYS_PARAMS)
@@ -422,13 +442,30 @@ def merge_keys_kernel(capacity):
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
-        head, row, _, _, _, count, ctx = gathered_row(keys, 0, keys.shape[0], seq_lens,
-                                                      query_len, init_blocks, local_blocks)
-        block_topk(keys, ctx, count, topk, sel, hist, state)
-        for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
-            out[head, row, j] = sel[j]
+        merge_keys_select(keys, 0, keys.shape[0], out, seq_lens, topk, query_len, init_blocks,
+                          local_blocks, sel, hist, state)
 
     return merge_topk_keys_to_keys
+
+
+@lru_cache(maxsize=None)
+def merge_delivered_keys_kernel(capacity):
+    """The fused node level's merge: wait, then the delivered keys -> the top ``topk`` keys."""
+    merge_keys_select = _merge_keys_select(capacity)
+
+    @cuda.jit
+    @declare(*MERGE_DELIVERED_KEYS_PARAMS)
+    def merge_delivered_topk_keys(keys, out, seq_lens, ctrl, flags, errors, topk, query_len,
+                                  init_blocks, local_blocks, timeout_ns, block_wait):
+        world = keys.shape[0] >> 1
+        first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
+        sel = cuda.shared.array(capacity, int64)
+        hist = cuda.shared.array(SCRATCH, int32)
+        state = cuda.shared.array(STATE_SLOTS, int64)
+        merge_keys_select(keys, first, world, out, seq_lens, topk, query_len, init_blocks,
+                          local_blocks, sel, hist, state)
+
+    return merge_delivered_topk_keys
 
 
 @lru_cache(maxsize=None)

@@ -20,7 +20,7 @@ from .primitives import WARP_LANES, inline_device, lane_value
 
 __all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARAMS",
            "SELECT_PARAMS", "SELECT_TABLE_PARAMS", "PACK_TO_PEERS_PARAMS", "whole_row",
-           "MERGE_DELIVERED_PARAMS", "MERGE_DELIVERED_TABLE_PARAMS",
+           "MERGE_DELIVERED_PARAMS", "MERGE_DELIVERED_TABLE_PARAMS", "MERGE_DELIVERED_KEYS_PARAMS",
            "shard_candidate_key", "gathered_candidate_key", "shard_row", "gathered_row",
            "shard_load", "shard_key_of", "gathered_load", "gathered_key_of", "shard_place",
            "gathered_place",
@@ -49,18 +49,24 @@ SELECT_TABLE_PARAMS = (*SELECT_PARAMS[:3], *MERGE_TABLE_PARAMS[3:6], *SELECT_PAR
 
 
 # The delivered exchange (kernels/ipc.py): the pack writes its keys into every
-# rank's exchange buffer (peer<q>: rank q's whole buffer as int64 words) and
-# the merge reads them there, as keys[2 * world, heads, tokens, per_shard]
-# over both halves, after waiting on its flags.
+# peer's exchange buffer (peer<q>: peer q's whole buffer as int64 words) and
+# the merge reads them there, as keys[2 * npeers, heads, tokens, per_shard]
+# over both halves, after waiting on its flags. The shard is addressed by
+# ``rank`` and ``world`` (its blocks), the delivery by ``peer_rank`` and
+# ``npeers`` (its slot, flag and peers): the same in the flat exchange, the
+# rank's place in its node in the two-level one.
 _WORDS = Array("ctrl", "int64", 1, "C")
 PACK_TO_PEERS_PARAMS = (*PACK_PARAMS[:2], _WORDS,
                         *(_WORDS._replace(name=f"peer{q}") for q in range(PEER_SLOTS)),
-                        *PACK_PARAMS[3:], *scalars("data_start", "slot"))
+                        *PACK_PARAMS[3:], *scalars("data_start", "slot", "peer_rank", "npeers"))
 _WAIT_ARRAYS = (_WORDS, _WORDS._replace(name="flags"), _WORDS._replace(name="errors"))
 MERGE_DELIVERED_PARAMS = (*MERGE_PARAMS[:3], *_WAIT_ARRAYS, *MERGE_PARAMS[3:],
                           *scalars("timeout_ns", "block_wait"))
 MERGE_DELIVERED_TABLE_PARAMS = (*MERGE_PARAMS[:3], *_WAIT_ARRAYS, *MERGE_TABLE_PARAMS[3:],
                                 *scalars("timeout_ns", "block_wait"))
+# The two-level exchange's node level, fused: the delivered keys -> the node's keys.
+MERGE_DELIVERED_KEYS_PARAMS = (*MERGE_KEYS_PARAMS[:3], *_WAIT_ARRAYS, *MERGE_KEYS_PARAMS[3:],
+                               *scalars("timeout_ns", "block_wait"))
 
 # ctx tuples handed to the candidate readers
 # shard:    (head, row, rank, world, init_blocks, local_start)

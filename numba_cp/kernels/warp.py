@@ -46,7 +46,8 @@ from ..backend import cuda
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
 from .params import declare
 from .primitives import WARP_LANES, inline_device, lane_exchange, lane_read, lanes_all
-from .rows import (MERGE_DELIVERED_PARAMS, MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
+from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
+                   MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
                    SELECT_PARAMS, SELECT_TABLE_PARAMS, gathered_key_of, gathered_load,
                    gathered_place, gathered_row, merged_block, shard_key_of, shard_load,
@@ -54,7 +55,8 @@ from .rows import (MERGE_DELIVERED_PARAMS, MERGE_DELIVERED_TABLE_PARAMS, MERGE_K
 
 __all__ = ["make_warp_topk", "pack_kernel", "merge_kernel", "merge_table_kernel",
            "merge_keys_kernel", "select_kernel", "select_table_kernel",
-           "pack_to_peers_kernel", "merge_delivered_kernel", "merge_delivered_table_kernel"]
+           "pack_to_peers_kernel", "merge_delivered_kernel", "merge_delivered_table_kernel",
+           "merge_delivered_keys_kernel"]
 
 LOG_LANES = WARP_LANES.bit_length() - 1
 
@@ -367,10 +369,10 @@ def pack_to_peers_kernel(run, slots, warps):
     def shard_topk_keys_to_peers_warp(scores, seq_lens, ctrl, peer0, peer1, peer2, peer3,
                                       peer4, peer5, peer6, peer7, topk, rank, world, query_len,
                                       global_blocks, init_blocks, local_blocks, data_start,
-                                      slot):
+                                      slot, peer_rank, npeers):
         epoch_box = cuda.shared.array(1, int64)
         epoch = open_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7,
-                              world, rank, epoch_box)
+                              npeers, peer_rank, epoch_box)
         raw = cuda.local.array(slots, float32)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
@@ -380,15 +382,15 @@ def pack_to_peers_kernel(run, slots, warps):
                                  init_blocks, local_blocks, raw, v, t, acc, shared)
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
-            base = delivery_base(data_start, epoch, world, rank, slot, head, row,
+            base = delivery_base(data_start, epoch, npeers, peer_rank, slot, head, row,
                                  scores.shape[1], topk)
             for s in range(slots):
                 e = lane * slots + s
                 if e < topk:
-                    deliver_key(peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world,
+                    deliver_key(peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, npeers,
                                 base + e, acc[s])
-        close_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, world, rank,
-                       epoch)
+        close_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, npeers,
+                       peer_rank, epoch)
 
     return shard_topk_keys_to_peers_warp
 
@@ -565,10 +567,33 @@ def merge_table_kernel(run, slots, warps):
 
 
 @lru_cache(maxsize=None)
-def merge_keys_kernel(run, slots, warps):
-    """The two-level exchange's first merge: gathered keys -> the top ``topk`` keys."""
+def _merge_keys_select(run, slots, warps):
     prefetch, warp_topk = make_warp_topk(gathered_load, gathered_key_of, run, slots, warps,
                                          presorted=True)
+
+    @inline_device
+    def merge_keys_select(keys, first, world, out, seq_lens, topk, query_len, init_blocks,
+                          local_blocks, raw, v, t, acc, shared):
+        """Merge this block's (head, row) from ``keys[first:first + world]``; warp 0
+        writes the top ``topk`` keys into ``out``."""
+        prefetch(keys, gathered_place(keys, first), world * keys.shape[3], raw)
+        head, row, _, _, _, count, ctx = gathered_row(keys, first, world, seq_lens,
+                                                      query_len, init_blocks, local_blocks)
+        warp_topk(keys, ctx, count, raw, v, t, acc, shared)
+        lane = cuda.threadIdx.x
+        if lane < WARP_LANES:
+            for s in range(slots):
+                e = lane * slots + s
+                if e < topk:
+                    out[head, row, e] = acc[s]
+
+    return merge_keys_select
+
+
+@lru_cache(maxsize=None)
+def merge_keys_kernel(run, slots, warps):
+    """The two-level exchange's first merge: gathered keys -> the top ``topk`` keys."""
+    merge_keys_select = _merge_keys_select(run, slots, warps)
     shared_size = warps * run
 
     @cuda.jit
@@ -580,18 +605,34 @@ def merge_keys_kernel(run, slots, warps):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
-        prefetch(keys, gathered_place(keys, 0), keys.shape[0] * keys.shape[3], raw)
-        head, row, _, _, _, count, ctx = gathered_row(keys, 0, keys.shape[0], seq_lens,
-                                                      query_len, init_blocks, local_blocks)
-        warp_topk(keys, ctx, count, raw, v, t, acc, shared)
-        lane = cuda.threadIdx.x
-        if lane < WARP_LANES:
-            for s in range(slots):
-                e = lane * slots + s
-                if e < topk:
-                    out[head, row, e] = acc[s]
+        merge_keys_select(keys, 0, keys.shape[0], out, seq_lens, topk, query_len, init_blocks,
+                          local_blocks, raw, v, t, acc, shared)
 
     return merge_topk_keys_to_keys_warp
+
+
+@lru_cache(maxsize=None)
+def merge_delivered_keys_kernel(run, slots, warps):
+    """The fused node level's merge: wait, then the delivered keys -> the top ``topk`` keys."""
+    merge_keys_select = _merge_keys_select(run, slots, warps)
+    shared_size = warps * run
+
+    @cuda.jit
+    @declare(*MERGE_DELIVERED_KEYS_PARAMS)
+    def merge_delivered_topk_keys_warp(keys, out, seq_lens, ctrl, flags, errors, topk,
+                                       query_len, init_blocks, local_blocks, timeout_ns,
+                                       block_wait):
+        world = keys.shape[0] >> 1
+        first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
+        raw = cuda.local.array(slots, int64)
+        v = cuda.local.array(slots, int64)
+        t = cuda.local.array(slots, int64)
+        acc = cuda.local.array(slots, int64)
+        shared = cuda.shared.array(shared_size, int64)
+        merge_keys_select(keys, first, world, out, seq_lens, topk, query_len, init_blocks,
+                          local_blocks, raw, v, t, acc, shared)
+
+    return merge_delivered_topk_keys_warp
 
 
 @lru_cache(maxsize=None)

@@ -520,3 +520,158 @@ def test_merge_waits_only_when_every_rank_has_its_own_gpu(monkeypatch):
     monkeypatch.setenv(I.WAIT_ENV, "sometimes")
     with pytest.raises(ValueError, match="NUMBA_CP_IPC_WAIT='sometimes': expected 'merge'"):
         I.wait_setting()
+
+
+# ---------------------------------------------------------------------------
+# The two-level exchange's fused node level: one node's ranks of a larger world
+
+
+class NodeRanks:
+    """The ranks ``members`` (global ranks of a ``world``-rank exchange) form one node:
+    each packs its shard of the global row (addressed by its global rank) into every
+    node peer's buffer (addressed by its place in the node), and each merges the
+    delivered keys to the node's keys; checked against the oracle's merge_keys."""
+
+    HEADS, TOKENS, TOPK, BLOCKS = 2, 4, 5, 23
+    WINDOW = dict(query_len=1, init_blocks=1, local_blocks=1)
+
+    def __init__(self, world, members, timeout=30.0, wait_in_merge=True, method="auto"):
+        self.world, self.members, self.method = world, list(members), method
+        n = len(self.members)
+        self.shape = (self.HEADS, self.TOKENS, self.TOPK)
+        self.layout = I.IPCLayout(n, int(np.prod(self.shape)) * 8)
+        self.memory = I.HostIPCMemory()
+        self.regions = [self.memory.allocate(self.layout.total_bytes) for _ in range(n)]
+        self.engines = [I.IPCEngine(i, n, self.layout, self.regions,
+                                    self.memory.private_zeros(K.CTRL_WORDS, np.int64),
+                                    self.memory.mapped_zeros(K.ERROR_WORDS, np.int64),
+                                    timeout=timeout, wait_in_merge=wait_in_merge)
+                        for i in range(n)]
+        self.out = [np.full(self.shape, -7, np.int64) for _ in range(n)]
+
+    def workload(self, e):
+        rng = np.random.default_rng(100 + e)
+        scores = rng.standard_normal((self.HEADS, self.TOKENS, self.BLOCKS)).astype(np.float32)
+        scores[:, :, rng.integers(0, self.BLOCKS, 3)] = 0.25  # ties across shards
+        seq_lens = rng.integers(1, (self.BLOCKS + 2) * 128, self.TOKENS).astype(np.int32)
+        return scores, seq_lens
+
+    def shard(self, i, e):
+        scores, seq_lens = self.workload(e)
+        return ref.shard_scores(scores, rank=self.members[i], world=self.world,
+                                global_blocks=self.BLOCKS), seq_lens
+
+    def pack(self, i, e):
+        shard, seq_lens = self.shard(i, e)
+        d = self.engines[i].delivery()
+        ops.local_topk_keys_to_peers(shard, seq_lens, topk=self.TOPK, rank=self.members[i],
+                                     world=self.world, global_blocks=self.BLOCKS,
+                                     ctrl=d.ctrl, peers=d.peers, data_start=d.data_start,
+                                     slot=d.slot, peer_rank=i, method=self.method,
+                                     **self.WINDOW)
+
+    def ready(self, i, e):
+        n = len(self.members)
+        return all(int(f) >= e for f in np.asarray(self.engines[i].own_flags)[:n])
+
+    def merge(self, i, e):
+        _, seq_lens = self.workload(e)
+        d = self.engines[i].delivery()
+        if not d.wait_in_merge:
+            d.wait(0)
+        ops.merge_delivered_to_keys(d.keys_view(self.shape, slice(None)), seq_lens,
+                                    topk=self.TOPK, ctrl=d.ctrl, flags=d.flags,
+                                    errors=d.errors, timeout_ns=d.timeout_ns,
+                                    block_wait=d.wait_in_merge, out=self.out[i],
+                                    method=self.method, **self.WINDOW)
+        return self.out[i].copy()
+
+    def expected(self, e):
+        """What merge_keys keeps from the node's gathered shard keys (the separate path)."""
+        _, seq_lens = self.workload(e)
+        window = dict(topk=self.TOPK, global_blocks=self.BLOCKS, **self.WINDOW)
+        keys = np.stack([ref.local_topk_keys(self.shard(i, e)[0], seq_lens,
+                                             rank=self.members[i], world=self.world, **window)
+                         for i in range(len(self.members))])
+        return ref.merge_keys(keys, seq_lens, topk=self.TOPK, **self.WINDOW)
+
+    def close(self):
+        for region in self.regions:
+            self.memory.release(region)
+
+
+@sim_only
+@pytest.mark.parametrize("world, members, wait_in_merge, method", [
+    (4, (2, 3), True, "warp"),
+    (5, (0, 1, 2), False, "radix"),
+    (10, (7, 9), True, "auto"),  # a world wider than one pack's peers, a node of two
+    (3, (1,), False, "warp"),  # a node of one rank delivers to itself
+])
+def test_node_level_delivers_by_node_place_and_merges_to_node_keys(world, members,
+                                                                   wait_in_merge, method):
+    """The pack's shard is the global rank's (its blocks), its slot and flag the rank's
+    place in the node; the delivered merge writes what merge_keys would, on calls that
+    alternate the halves, and only the node's flags move."""
+    R = NodeRanks(world, members, wait_in_merge=wait_in_merge, method=method)
+    n = len(members)
+    try:
+        for e in (1, 2, 3):
+            for i in range(n):
+                R.pack(i, e)
+            for i in range(n):
+                assert R.ready(i, e)
+                got = R.merge(i, e)
+                want = R.expected(e)
+                assert np.count_nonzero(want) > 0
+                np.testing.assert_array_equal(got, want, err_msg=f"rank {members[i]}, call {e}")
+        for engine in R.engines:
+            state = engine.state()
+            assert state["epoch"] == 3 and state["error_epoch"] == 0
+            assert state["flags"] == [3] * n and state["poisoned_by"] == -1
+    finally:
+        R.close()
+
+
+@sim_only
+def test_node_level_keys_merge_to_the_global_top_k():
+    """Two nodes' delivered node keys, merged as the two-level exchange's last step,
+    are the unsharded oracle's ids."""
+    world, nodes = 5, ((0, 1, 2), (3, 4))
+    made = [NodeRanks(world, members) for members in nodes]
+    try:
+        for R in made:
+            for i in range(len(R.members)):
+                R.pack(i, 1)
+        node_keys = np.stack([R.merge(0, 1) for R in made])
+        scores, seq_lens = made[0].workload(1)
+        window = dict(topk=NodeRanks.TOPK, **NodeRanks.WINDOW)
+        got = ref.merge_topk_keys(node_keys, seq_lens, **window)
+        np.testing.assert_array_equal(
+            got, ref.global_topk(scores, seq_lens, global_blocks=NodeRanks.BLOCKS, **window))
+    finally:
+        for R in made:
+            R.close()
+
+
+@sim_only
+@pytest.mark.parametrize("wait_in_merge", [True, False])
+def test_node_level_merge_gives_up_then_the_next_pack_poisons(wait_in_merge):
+    R = NodeRanks(6, (3, 4, 5), timeout=0.2, wait_in_merge=wait_in_merge)
+    try:
+        R.pack(0, 1)
+        t0 = time.perf_counter()
+        R.merge(0, 1)  # the node's other ranks never came: gives up instead of hanging
+        assert 0.2 <= time.perf_counter() - t0 < 10
+        errors = np.asarray(R.engines[0].errors)
+        assert (errors[K.GAVE_UP_EPOCH], errors[K.GAVE_UP_PEER]) == (1, 2)  # node place 1
+        R.pack(0, 2)  # poisons every node peer before its keys
+        for i in (1, 2):
+            assert R.engines[i].state()["poisoned_by"] == 0
+        R.engines[1].timeout_ns = 10**15  # a poisoned merge stops waiting, whatever the limit
+        R.pack(1, 1)
+        t0 = time.perf_counter()
+        R.merge(1, 1)
+        assert time.perf_counter() - t0 < 10
+        assert np.asarray(R.engines[1].errors)[K.POISONED_BY] == 1  # 1 + node place 0
+    finally:
+        R.close()

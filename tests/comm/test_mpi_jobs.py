@@ -187,7 +187,7 @@ def test_main_job_ipc_graph_is_exact(mpiexec, tmp_path):
     (2, "1", []),
     (2, "2", ["--sparse-table"]),
     (4, "2", ["--sparse-table", "--merge", "owned", "--heads", "3"]),
-    (4, "3,1", ["--transport", "ipc", "--method", "radix"]),
+    (4, "3,1", ["--transport", "ipc", "--method", "radix", "--fused", "off"]),
     (5, "3", ["--query-len", "1", "--tokens", "2,5,0,4,3"]),
     (6, "3", ["--topk", "8"]),
     (8, "1,3,4", ["--sparse-table", "--tokens", "2,6,2"]),
@@ -198,10 +198,36 @@ def test_two_level_exchange_is_exact(mpiexec, tmp_path, n, nodes, extra):
     """hierarchy="node" with pretend nodes (NUMBA_CP_NODES): every call equals the
     unsharded oracle (as the flat exchange does), uneven nodes and one rank per node
     included; the plan reports the nodes it used."""
+    check_two_level(mpiexec, tmp_path, n, nodes, extra, fused=False)
+
+
+@pytest.mark.parametrize("n, nodes, wait, extra", [
+    (2, "1", "merge", ["--sparse-table"]),
+    (3, "2,1", "kernel", ["--method", "radix", "--alternate"]),
+    (4, "2", "merge", ["--sparse-table", "--merge", "owned", "--heads", "3", "--alternate"]),
+    (5, "3", "", ["--query-len", "1", "--tokens", "2,5,0,4,3", "--method", "radix"]),
+    (6, "1,2,3", "merge", ["--sparse-table", "--topk", "8", "--tokens", "2,6,2"]),
+    (8, "4", "kernel", ["--sparse-table", "--method", "radix", "--tokens", "2,6,2"]),
+], ids=["one-node-2-table", "uneven-3-radix-alternate", "two-nodes-4-table-owned-alternate",
+        "two-nodes-5-query1-radix", "uneven-6-table", "two-nodes-8-table-radix"])
+def test_two_level_exchange_with_fused_node_level_is_exact(mpiexec, tmp_path, n, nodes, wait,
+                                                           extra):
+    """hierarchy="node" over IPC inside each pretend node: the node level runs fused (the
+    pack delivers into the node's ranks, a merge keeps the node's keys in place), and
+    every call equals the unsharded oracle, at world 2 to 8 on 1 to 4 nodes, uneven ones
+    included, with the table, owned heads, both kernel families, the merge's blocks
+    waiting or a wait kernel before it, and fused calls alternating with step-by-step
+    (separate) ones on one plan."""
+    env = {"NUMBA_CP_IPC_WAIT": wait} if wait else {}
+    check_two_level(mpiexec, tmp_path, n, nodes,
+                    ["--transport", "ipc", "--fused", "on", *extra], fused=True, env=env)
+
+
+def check_two_level(mpiexec, tmp_path, n, nodes, extra, fused, env=()):
     tokens = extra[extra.index("--tokens") + 1] if "--tokens" in extra else "2,6,0,4,2"
     status, lines, output = run_ranks(mpiexec, n, tmp_path / "plan", "plan_check.py",
                                       "--hierarchy", "node", *extra,
-                                      env={"NUMBA_CP_NODES": nodes})
+                                      env={"NUMBA_CP_NODES": nodes, **dict(env)})
     assert status == 0, output[-4000:]
     sizes = nodes.split(",") if "," in nodes else None
     for rank, text in lines.items():
@@ -209,6 +235,6 @@ def test_two_level_exchange_is_exact(mpiexec, tmp_path, n, nodes, extra):
         got = oks(text)
         assert len(got) == len(tokens.split(",")), text
         for line, t in zip(got, tokens.split(",")):
-            assert f"tokens={t} two-level:" in line, line
+            assert f"fused={fused} tokens={t} two-level:" in line, line
             if sizes:
                 assert f"{len(sizes)} node(s) of {','.join(sizes)} rank(s)" in line, line

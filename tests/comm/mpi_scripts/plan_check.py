@@ -4,7 +4,9 @@ A :class:`~numba_cp.exchange.CandidateExchange` planned for ``max_tokens``
 serves calls with fewer tokens through the one transport it set up at
 construction. Every rank runs the exchange on its shard of seeded scores for
 each token count in ``--tokens`` (in that order) and compares the merged top-k
-with :func:`numba_cp.reference.global_topk` on the unsharded scores.
+with :func:`numba_cp.reference.global_topk` on the unsharded scores. With
+``--alternate`` every second call runs the steps one by one (pack, all_gather,
+merge), which gather separately whether or not the plan's calls are fused.
 
 Output as ``allgather_check.py``: ``rank=R size=N`` first, then
 ``rank=R OK|FAIL ...`` lines (also to ``--out-dir/rank<R>-pid<PID>.txt``).
@@ -59,6 +61,14 @@ def run(args, comm):
         if transport.shape != expected_shape:
             failures += 1
             say(rank, f"FAIL transport set up for {transport.shape}, not {expected_shape}")
+        def exchange(call, shard, seq_lens, **table):
+            if not (args.alternate and call % 2):
+                return plan(shard, seq_lens, **table)
+            tokens = shard.shape[1]
+            plan.pack(shard, seq_lens)
+            plan.all_gather(tokens, seq_lens=seq_lens)
+            return plan.merge(seq_lens, tokens, **table)
+
         for seed, tokens in enumerate(int(t) for t in args.tokens.split(",")):
             scores, seq_lens = workload(seed, config.heads, tokens, config.query_len,
                                         config.global_blocks)
@@ -69,8 +79,8 @@ def run(args, comm):
                 table = np.random.default_rng(seed).permutation(
                     len(seq_lens) * (config.global_blocks + 1)).astype(np.int32).reshape(
                     len(seq_lens), config.global_blocks + 1)
-                got = plan(device_copy(shard), device_copy(seq_lens),
-                           attention_block_table=device_copy(table))
+                got = exchange(seed, device_copy(shard), device_copy(seq_lens),
+                               attention_block_table=device_copy(table))
                 got = np.concatenate([host_copy(a).reshape(-1) for a in got])
                 sbt, ctx = ref.sparse_block_table(want, seq_lens, table,
                                                   query_len=config.query_len)
@@ -78,7 +88,7 @@ def run(args, comm):
                                        sbt[plan.heads.start:plan.heads.stop].reshape(-1),
                                        ctx[plan.heads.start:plan.heads.stop].reshape(-1)])
             else:
-                got = host_copy(plan(device_copy(shard), device_copy(seq_lens)))
+                got = host_copy(exchange(seed, device_copy(shard), device_copy(seq_lens)))
                 want = want[plan.heads.start:plan.heads.stop]
             label = f"transport={transport.name} fused={plan.fused} tokens={tokens}"
             if args.hierarchy != "flat":
@@ -105,6 +115,8 @@ def main():
     parser.add_argument("--merge", choices=("all", "owned"), default="all")
     parser.add_argument("--method", choices=("auto", "warp", "radix"), default="auto")
     parser.add_argument("--hierarchy", choices=("flat", "node"), default="flat")
+    parser.add_argument("--alternate", action="store_true",
+                        help="every second call step by step (pack, all_gather, merge)")
     parser.add_argument("--tokens", default="2,6,0,4,2", help="token counts, in call order")
     parser.add_argument("--max-tokens", type=int, default=6)
     parser.add_argument("--heads", type=int, default=2)
