@@ -531,7 +531,9 @@ class CandidateExchange:
         place; results land in the plan's buffers (the arrays :meth:`__call__`
         returns). With a device-side gather (world 1, or a capturable
         transport) the whole exchange is one CUDA/HIP graph; with an MPI
-        gather, pack and merge are two graphs around the host all-gather.
+        gather, pack and merge are two graphs around the host all-gather. Two
+        levels with the node's fused: the node level (pack, wait, merge to
+        keys) and the last merge are two graphs around the nodes' MPI gather.
         Under the simulator the "graphs" are the eager calls, so the flow is
         the same everywhere.
         """
@@ -551,10 +553,23 @@ class CandidateExchange:
             return self.merge(seq_lens, tokens, attention_block_table=attention_block_table,
                               stream=s)
 
-        # A fused node level is captured as separate steps (the same protocol): the nodes'
-        # gather blocks on MPI between pack and merge anyway.
         flat_fused = self._delivery is not None
-        if flat_fused or self._whole_rows:
+        if self.fused and not flat_fused:  # two levels, the node's fused: MPI between graphs
+            args, kwargs = self._pack_arguments(scores, seq_lens, tokens)
+            del kwargs["out"]
+            levels, recv = self._levels, self._views_for(tokens).recv
+            node_keys = levels.node_keys(self.config.heads, tokens)
+
+            def node_level(s):
+                self._refuse_if_failed()
+                levels.node_delivered(args, kwargs, seq_lens, s)
+
+            def across_nodes(s):
+                levels.across.all_gather(node_keys, recv, stream=s)
+
+            segments = [(record_graph(node_level, stream), across_nodes),
+                        (record_graph(merge, stream), None)]
+        elif flat_fused or self._whole_rows:
             one_pass = self._exchange_delivered if flat_fused else self._exchange_whole_rows
 
             def exchange(s):
@@ -626,13 +641,18 @@ class _NodeLevels:
         self._delivery = self.transport.delivery()
         self.fused = True
 
-    def _node_keys(self, heads, tokens):
+    def node_keys(self, heads, tokens):
         c = self.plan.config
         return self._node_keys_flat[:heads * tokens * c.topk].reshape(heads, tokens, c.topk)
 
     def exchange_delivered(self, pack_args, pack_kwargs, recv, seq_lens, stream):
         """The fused node level, then the nodes' gather into ``recv``. ``pack_args`` and
         ``pack_kwargs``: the plan's pack arguments but the output."""
+        node_keys = self.node_delivered(pack_args, pack_kwargs, seq_lens, stream)
+        return self.across.all_gather(node_keys, recv, stream=stream)
+
+    def node_delivered(self, pack_args, pack_kwargs, seq_lens, stream):
+        """The fused node level alone, device work only (capturable): the node's keys."""
         c, d = self.plan.config, self._delivery
         heads, tokens = c.heads, int(pack_args[0].shape[1])
         keys = self._delivered.get(tokens)
@@ -645,13 +665,13 @@ class _NodeLevels:
                                  **pack_kwargs)
         if not d.wait_in_merge:
             d.wait(stream)
-        node_keys = self._node_keys(heads, tokens)
+        node_keys = self.node_keys(heads, tokens)
         merge_delivered_to_keys(keys, seq_lens, topk=c.topk, ctrl=d.ctrl, flags=d.flags,
                                 errors=d.errors, timeout_ns=d.timeout_ns,
                                 block_wait=d.wait_in_merge, query_len=c.query_len,
                                 init_blocks=c.init_blocks, local_blocks=c.local_blocks,
                                 out=node_keys, stream=stream, **self.plan.launch)
-        return self.across.all_gather(node_keys, recv, stream=stream)
+        return node_keys
 
     def all_gather(self, send, recv, seq_lens, stream):
         c = self.plan.config
@@ -659,7 +679,7 @@ class _NodeLevels:
         ranks = self.node_comm.Get_size()
         node_recv = self._node_recv[:ranks * heads * tokens * per_shard].reshape(
             ranks, heads, tokens, per_shard)
-        node_keys = self._node_keys(heads, tokens)
+        node_keys = self.node_keys(heads, tokens)
         self.transport.all_gather(send, node_recv, stream=stream)
         merge_keys(node_recv, seq_lens, topk=c.topk, query_len=c.query_len,
                    init_blocks=c.init_blocks, local_blocks=c.local_blocks, out=node_keys,

@@ -203,8 +203,9 @@ def test_two_level_exchange_is_exact(mpiexec, tmp_path, n, nodes, extra):
 
 @pytest.mark.parametrize("n, nodes, wait, extra", [
     (2, "1", "merge", ["--sparse-table"]),
-    (3, "2,1", "kernel", ["--method", "radix", "--alternate"]),
-    (4, "2", "merge", ["--sparse-table", "--merge", "owned", "--heads", "3", "--alternate"]),
+    (3, "2,1", "kernel", ["--method", "radix", "--alternate", "--capture"]),
+    (4, "2", "merge", ["--sparse-table", "--merge", "owned", "--heads", "3", "--alternate",
+                       "--capture"]),
     (5, "3", "", ["--query-len", "1", "--tokens", "2,5,0,4,3", "--method", "radix"]),
     (6, "1,2,3", "merge", ["--sparse-table", "--topk", "8", "--tokens", "2,6,2"]),
     (8, "4", "kernel", ["--sparse-table", "--method", "radix", "--tokens", "2,6,2"]),
@@ -216,8 +217,9 @@ def test_two_level_exchange_with_fused_node_level_is_exact(mpiexec, tmp_path, n,
     pack delivers into the node's ranks, a merge keeps the node's keys in place), and
     every call equals the unsharded oracle, at world 2 to 8 on 1 to 4 nodes, uneven ones
     included, with the table, owned heads, both kernel families, the merge's blocks
-    waiting or a wait kernel before it, and fused calls alternating with step-by-step
-    (separate) ones on one plan."""
+    waiting or a wait kernel before it, fused calls alternating with step-by-step
+    (separate) ones on one plan, and captured exchanges (the node level and the last
+    merge as two graphs around the nodes' gather) replayed among them."""
     env = {"NUMBA_CP_IPC_WAIT": wait} if wait else {}
     check_two_level(mpiexec, tmp_path, n, nodes,
                     ["--transport", "ipc", "--fused", "on", *extra], fused=True, env=env)

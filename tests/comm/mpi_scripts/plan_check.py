@@ -6,7 +6,9 @@ construction. Every rank runs the exchange on its shard of seeded scores for
 each token count in ``--tokens`` (in that order) and compares the merged top-k
 with :func:`numba_cp.reference.global_topk` on the unsharded scores. With
 ``--alternate`` every second call runs the steps one by one (pack, all_gather,
-merge), which gather separately whether or not the plan's calls are fused.
+merge), which gather separately whether or not the plan's calls are fused. With
+``--capture`` the second call and every third after it capture the exchange and
+replay it twice.
 
 Output as ``allgather_check.py``: ``rank=R size=N`` first, then
 ``rank=R OK|FAIL ...`` lines (also to ``--out-dir/rank<R>-pid<PID>.txt``).
@@ -62,6 +64,10 @@ def run(args, comm):
             failures += 1
             say(rank, f"FAIL transport set up for {transport.shape}, not {expected_shape}")
         def exchange(call, shard, seq_lens, **table):
+            if args.capture and call % 3 == 1:  # captured once, replayed twice
+                captured = plan.capture(shard, seq_lens, **table)
+                captured.replay()
+                return captured.replay()
             if not (args.alternate and call % 2):
                 return plan(shard, seq_lens, **table)
             tokens = shard.shape[1]
@@ -115,6 +121,8 @@ def main():
     parser.add_argument("--merge", choices=("all", "owned"), default="all")
     parser.add_argument("--method", choices=("auto", "warp", "radix"), default="auto")
     parser.add_argument("--hierarchy", choices=("flat", "node"), default="flat")
+    parser.add_argument("--capture", action="store_true",
+                        help="every third call is a captured exchange, replayed")
     parser.add_argument("--alternate", action="store_true",
                         help="every second call step by step (pack, all_gather, merge)")
     parser.add_argument("--tokens", default="2,6,0,4,2", help="token counts, in call order")
