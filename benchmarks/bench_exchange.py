@@ -17,7 +17,9 @@ device-side gather, two graphs around an MPI gather), and times it. The gathers
 (two kernels per exchange); ``ipc``, the same transport as separate launches between
 them; ``staged``, MPI through pinned host buffers; any other transport by name; and
 ``two-level``, the two-level exchange (``hierarchy="node"``: inside each node, then the
-nodes' keys over MPI; ``NUMBA_CP_NODES`` pretends nodes on one machine); and
+nodes' keys over MPI; ``NUMBA_CP_NODES`` pretends nodes on one machine) with its node
+level as separate steps, and ``two-level-fused`` with the node level fused over IPC (two
+graphs around the nodes' MPI gather); and
 ``alone``, every rank running the same kernels on its shard as a world of its own (checked
 against the shard's oracle), with nothing exchanged: what ``P`` processes get from the
 GPUs they share, the floor under any exchange among them.
@@ -141,9 +143,9 @@ def run_job(args):
                                 **window)
         for gather in gathers:
             transport = {"none": None, "ipc-fused": "ipc", "alone": None,
-                         "two-level": None}.get(gather, gather)
+                         "two-level": None, "two-level-fused": "ipc"}.get(gather, gather)
             group, plan_config, expected = comm, config, want
-            if gather == "two-level":  # nodes: shared memory, or NUMBA_CP_NODES
+            if gather.startswith("two-level"):  # nodes: shared memory, or NUMBA_CP_NODES
                 plan_config = dataclasses.replace(config, hierarchy="node")
             if gather == "alone":  # this rank's shard as a world of its own: nothing moves
                 group = MPI.COMM_SELF
@@ -152,7 +154,7 @@ def run_job(args):
                                            global_blocks=shard.shape[2], **window)
             stream = None if simulator else cupy.cuda.Stream(non_blocking=True)
             with CandidateExchange(group, plan_config, transport=transport,
-                                   fused=gather == "ipc-fused") as plan:
+                                   fused=gather in ("ipc-fused", "two-level-fused")) as plan:
                 captured = plan.capture(scores, seq_lens, attention_block_table=table,
                                         stream=stream)
                 for _ in range(3):
