@@ -325,8 +325,8 @@ def run_case(name, args, torch):
 
         def world1(stream):
             global_topk_ids(full_scores, seq_lens, world1_idx, stream=stream,
-                                     global_blocks=work.global_blocks, **window,
-                                     **world1_tables, **launch)
+                            global_blocks=work.global_blocks, **window, **world1_tables,
+                            **launch)
 
         row["world1_device_us"] = device_us(world1, stream, args.per_graph, args.replays)
         row["world1_eager_us"] = eager_us(world1, stream, args.calls)
