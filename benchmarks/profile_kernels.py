@@ -2,6 +2,7 @@
 
     NUMBA_CP_BACKEND=cuda python benchmarks/profile_kernels.py probes [--cases a,b,g]
     NUMBA_CP_BACKEND=cuda python benchmarks/profile_kernels.py launch [--cases a,b,g] [--sass F]
+        [--method M]
     bash benchmarks/ncu_small_rows.sh            # Nsight Compute over ``launch``
 
 ``probes``: device µs per call (CUDA-graph replay, as bench_kernels.py) of the
@@ -26,7 +27,7 @@ from bench_kernels import CASES, case_arrays, device_us, floor_kernel
 from numba_cp import ops
 
 
-def build(name):
+def build(name, method="auto"):
     """``(pack, merge, table_on, shard, seq_lens, out)`` of a bench_kernels case."""
     topk, window, shard_args, a = case_arrays(name)
     table_on = CASES[name][6]
@@ -35,11 +36,11 @@ def build(name):
 
     def pack(stream=None):
         numba_cp.local_topk_keys(a["scores"], a["seq_lens"], topk=topk, rank=0, out=a["out"],
-                                 stream=stream, **shard_args)
+                                 stream=stream, method=method, **shard_args)
 
     def merge(stream=None):
         numba_cp.merge_topk_keys(a["keys"], a["topk_idx"], a["seq_lens"], stream=stream,
-                                 **window, **tables)
+                                 method=method, **window, **tables)
 
     return pack, merge, table_on, a["scores"], a["seq_lens"], a["out"]
 
@@ -99,11 +100,11 @@ def probes(cases):
                        for k, v in row.items()), flush=True)
 
 
-def launch(cases, sass_path):
+def launch(cases, sass_path, method):
     import cupy
 
     for name in cases:
-        pack, merge, table_on, *_ = build(name)
+        pack, merge, table_on, *_ = build(name, method)
         for _ in range(2):
             if not table_on:
                 pack()
@@ -127,6 +128,8 @@ def main(argv=None):
     p.add_argument("mode", choices=("probes", "launch"))
     p.add_argument("--cases", default="a,b,g", help="comma-separated bench_kernels.py cases")
     p.add_argument("--sass", default=None, help="launch: write the kernels' SASS here")
+    p.add_argument("--method", choices=numba_cp.METHODS, default="auto",
+                   help="launch: the kernel family")
     args = p.parse_args(argv)
     if numba_cp.backend.TARGET.simulator:
         raise SystemExit("profile_kernels.py profiles a GPU: run it with NUMBA_CP_BACKEND=cuda "
@@ -138,7 +141,7 @@ def main(argv=None):
     if args.mode == "probes":
         probes(cases)
     else:
-        launch(cases, args.sass)
+        launch(cases, args.sass, args.method)
     return 0
 
 

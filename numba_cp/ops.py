@@ -15,7 +15,7 @@ from .arrays import as_kernel_array
 from .backend import TARGET
 from .constants import MAX_GLOBAL_BLOCKS, MAX_PAGE_STRIDE, MAX_PINNED, MAX_TOPK, PAGES
 from .kernels import ipc as ipc_kernels
-from .kernels import radix, warp
+from .kernels import radix, rank, warp
 from .launcher import KernelLaunch, LaunchCache
 
 __all__ = ["local_topk_keys", "merge_topk_keys", "check_local_topk_keys",
@@ -23,9 +23,10 @@ __all__ = ["local_topk_keys", "merge_topk_keys", "check_local_topk_keys",
            "local_topk_keys_to_peers", "merge_delivered_keys", "merge_delivered_to_keys"]
 
 # "warp": warps sort in registers (numba_cp.kernels.warp), for topk up to
-# lanes * MAX_LANE_SLOTS; "radix": block-wide radix select + shared-memory sort
-# (numba_cp.kernels.radix), for any topk; "auto": choose_method.
-METHODS = ("auto", "warp", "radix")
+# lanes * MAX_LANE_SLOTS; "rank": a block counts each key's place (numba_cp.kernels.rank),
+# for rows of up to RANK_MAX_ROW candidates; "radix": block-wide radix select +
+# shared-memory sort (numba_cp.kernels.radix), for any topk; "auto": choose_method.
+METHODS = ("auto", "warp", "rank", "radix")
 MAX_LANE_SLOTS = 16  # keys per lane per pass: 3 register arrays of this many int64
 # Keys per lane per pass of the warp kernels (more when a run needs them). In
 # the H200 launch sweeps (BENCHMARKS.md, "Launch shapes") 2 was the best or
@@ -35,20 +36,30 @@ MAX_LANE_SLOTS = 16  # keys per lane per pass: 3 register arrays of this many in
 WARP_SLOTS = 2
 # A radix merge row of up to this many candidates is sorted outright.
 MERGE_SORT_ALL = 256
+# The rank kernels: the longest row they take (one key per thread and slot), and
+# the most threads a row gets.
+RANK_MAX_ROW = 2048
+RANK_THREADS = 8 * TARGET.lanes if TARGET.simulator else 256
+# "auto" takes the rank kernels for rows of up to this many candidates, and
+# ranks a pack's keys in chunks of RANK_CHUNK (see choose_method).
+RANK_AUTO_ROW = 256
+RANK_CHUNK = 64
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def choose_method(method, topk):
-    """The kernel family for ``method`` and ``topk``: ``"warp"`` or ``"radix"``.
+def choose_method(method, topk, candidates=None):
+    """The kernel family for ``method``, ``topk`` and rows of ``candidates``:
+    ``"warp"``, ``"rank"`` or ``"radix"`` (``candidates=None``: any row).
 
-    ``"auto"`` takes the warp kernels wherever ``topk`` fits (a sorted run of
-    ``next_pow2(topk)`` keys in one warp's registers): in the H200 launch sweep
-    (BENCHMARKS.md, "Launch shapes") they were 3-5.5x faster than the radix
-    kernels in every case (topk 16 to 128). The radix kernels serve larger
-    ``topk``.
+    ``"auto"`` takes the rank kernels for rows of up to RANK_AUTO_ROW
+    candidates, and elsewhere the warp kernels wherever ``topk`` fits (a
+    sorted run of ``next_pow2(topk)`` keys in one warp's registers): in the
+    H200 launch sweep (BENCHMARKS.md, "Launch shapes") the warp kernels were
+    3-5.5x faster than the radix kernels in every case (topk 16 to 128). The
+    radix kernels serve larger ``topk``.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
@@ -56,8 +67,13 @@ def choose_method(method, topk):
     if method == "warp" and not fits:
         raise ValueError(f"method='warp' handles topk <= {TARGET.lanes * MAX_LANE_SLOTS} on "
                          f"this target, got topk={topk}; use method='radix' or 'auto'")
+    if method == "rank" and candidates is not None and candidates > RANK_MAX_ROW:
+        raise ValueError(f"method='rank' handles rows of up to {RANK_MAX_ROW} candidates, got "
+                         f"{candidates}; use method='warp', 'radix' or 'auto'")
     if method != "auto":
         return method
+    if candidates is not None and candidates <= RANK_AUTO_ROW and _next_pow2(topk) <= RANK_AUTO_ROW:
+        return "rank"
     return "warp" if fits else "radix"
 
 
@@ -97,6 +113,32 @@ def _warp_shape(topk: int, candidates: int, threads, sort_limit):
             raise ValueError(f"threads must be a power-of-two number of whole warps "
                              f"({lanes} lanes each) for method='warp', got {threads}")
     return run, slots, warps
+
+
+def _rank_shape(topk: int, candidates: int, threads, sort_limit, presorted):
+    """``(run, slots, threads, chunk)``: the sorted run, keys per thread, threads
+    per row and the keys ranked together (a merge's sorted runs need no chunks)."""
+    lanes = TARGET.lanes
+    run = _next_pow2(topk)
+    capacity = max(run, lanes, _next_pow2(candidates))
+    if threads is None:
+        threads = min(RANK_THREADS, capacity)
+    else:
+        threads = validate.integer("threads", threads, low=1, high=1025)
+        if threads % lanes or threads & (threads - 1):
+            raise ValueError(f"threads must be a power-of-two number of whole warps "
+                             f"({lanes} lanes each) for method='rank', got {threads}")
+        capacity = max(capacity, threads)
+    slots = max(capacity // threads, -(-run // lanes))
+    capacity = threads * slots
+    if presorted:  # a merge's runs come sorted: it ranks in runs only if they were not
+        chunk = run
+    elif sort_limit is None:
+        chunk = RANK_CHUNK
+    else:
+        chunk = _next_pow2(validate.integer("sort_limit", sort_limit, low=1,
+                                            high=MAX_TOPK + 1))
+    return run, slots, threads, min(max(chunk, run), capacity)
 
 
 def _radix_shape(topk: int, candidates: int, threads, sort_limit, merge=False):
@@ -246,7 +288,11 @@ def _pack_family(scalars, method, threads, sort_limit):
 
 def _family(topk, candidates, method, threads, sort_limit, merge):
     """``(family module, kernel shape, threads per block)`` for rows of ``candidates``."""
-    if choose_method(method, topk) == "warp":
+    chosen = choose_method(method, topk, candidates)
+    if chosen == "rank":
+        shape = _rank_shape(topk, candidates, threads, sort_limit, presorted=merge)
+        return rank, shape, shape[2]
+    if chosen == "warp":
         shape = _warp_shape(topk, candidates, threads, sort_limit)
         return warp, shape, shape[2] * TARGET.lanes
     threads, capacity = _radix_shape(topk, candidates, threads, sort_limit, merge=merge)

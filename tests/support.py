@@ -21,18 +21,23 @@ def launches():
     """Launch tuning for either kernel family: results must not depend on it.
 
     ``"warp"``: one, two or four warps per row and short, default or long
-    passes; ``"radix"``: odd and small blocks, and tiny sort tiles that force
-    the radix passes.
+    passes; ``"rank"``: one to four warps per row (so one to many keys per
+    thread) and chunks from one run to the whole row; ``"radix"``: odd and
+    small blocks, and tiny sort tiles that force the radix passes.
     """
     lanes = TARGET.lanes
     warp = st.fixed_dictionaries(dict(
         method=st.just("warp"),
         threads=st.sampled_from([None, lanes, 2 * lanes, 4 * lanes]),
         sort_limit=st.sampled_from([None, 1, 4 * lanes])))
+    rank = st.fixed_dictionaries(dict(
+        method=st.just("rank"),
+        threads=st.sampled_from([None, lanes, 2 * lanes, 4 * lanes]),
+        sort_limit=st.sampled_from([None, 1, 2 * lanes, 1 << 11])))
     radix = st.fixed_dictionaries(dict(
         method=st.just("radix"), threads=st.sampled_from([1, 3, THREADS]),
         sort_limit=st.sampled_from([None, 1, 5])))
-    return st.one_of(warp, radix, st.just(dict(method="auto")))
+    return st.one_of(warp, rank, radix, st.just(dict(method="auto")))
 
 
 # The case strategy and its pieces are public, for people testing their own

@@ -40,23 +40,13 @@ of every shape has no ``.local`` depot).
 
 from functools import lru_cache
 
-from numba import float32, int64
+from numba import int64
 
 from ..backend import cuda
-from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
-from .params import declare
 from .primitives import WARP_LANES, inline_device, lane_exchange, lane_read, lanes_all
-from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
-                   MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
-                   MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
-                   SELECT_PARAMS, SELECT_TABLE_PARAMS, gathered_key_of, gathered_load,
-                   gathered_place, gathered_row, merged_block, shard_key_of, shard_load,
-                   shard_place, shard_row, table_writer, whole_row)
+from .shells import KERNELS, Selection, kernel_factories
 
-__all__ = ["make_warp_topk", "pack_kernel", "merge_kernel", "merge_table_kernel",
-           "merge_keys_kernel", "select_kernel", "select_table_kernel",
-           "pack_to_peers_kernel", "merge_delivered_kernel", "merge_delivered_table_kernel",
-           "merge_delivered_keys_kernel"]
+__all__ = ["make_warp_topk", "selection", *KERNELS]
 
 LOG_LANES = WARP_LANES.bit_length() - 1
 
@@ -222,7 +212,10 @@ def make_warp_topk(load, key_of, run, slots, warps, presorted=False):
     ``acc`` are local int64 arrays of ``slots`` elements, ``shared`` a shared
     int64 array of ``warps * run`` (unused when ``warps == 1``). Afterwards
     warp 0's ``acc`` holds the row's ``run`` largest keys in descending
-    element order (``e = lane * slots + s``), padded with zeros.
+    element order (``e = lane * slots + s``), padded with zeros, and ``v``
+    their places ``e`` (every other warp's: ``run``, none). This is the
+    warp layout that kernels/shells.py may ask of a family, so the
+    family's ``warp_layout`` switch has nothing to change here.
     """
     width = WARP_LANES * slots
     if not (run <= width and run & (run - 1) == 0 and slots & (slots - 1) == 0
@@ -304,380 +297,23 @@ def make_warp_topk(load, key_of, run, slots, warps, presorted=False):
                     t[s] = shared[partner + (((lane * slots + s) & (run - 1)) ^ (run - 1))]
                 keep_top(acc, v, t, lane)
             stride <<= 1
+        for s in range(slots):
+            v[s] = lane * slots + s if warp == 0 else run
 
     return prefetch, warp_topk
 
 
-# ---------------------------------------------------------------------------
-# Kernels: a block of ``warps`` whole warps per (head, row). The row's top keys
-# end in warp 0's registers (``acc``), element ``e = lane * slots + s``; warp 0
-# writes the outputs. The "delivered" kernels are the fused IPC exchange's
-# (protocol: kernels/ipc.py): the pack writes every rank's exchange buffer,
-# the merge waits for its peers and reads its own buffer.
-
-
 @lru_cache(maxsize=None)
-def _shard_select(run, slots, warps):
-    prefetch, warp_topk = make_warp_topk(shard_load, shard_key_of, run, slots, warps)
+def selection(run, slots, warps):
+    """The warp family's :class:`~.shells.Selection` for one launch shape."""
 
-    @inline_device
-    def shard_select(scores, seq_lens, rank, world, query_len, global_blocks, init_blocks,
-                     local_blocks, raw, v, t, acc, shared):
-        """Select this block's (head, row); warp 0's ``acc`` holds the keys."""
-        prefetch(scores, shard_place(rank, world), scores.shape[2], raw)
-        head, row, count, ctx = shard_row(scores, seq_lens, rank, world, query_len,
-                                          global_blocks, init_blocks, local_blocks)
-        warp_topk(scores, ctx, count, raw, v, t, acc, shared)
-        return head, row
+    def make(load, key_of, presorted=False, warp_layout=False):
+        return make_warp_topk(load, key_of, run, slots, warps, presorted)
 
-    return shard_select
+    return Selection(make, slots, warps * run, "warp")
 
 
-@lru_cache(maxsize=None)
-def pack_kernel(run, slots, warps):
-    shard_select = _shard_select(run, slots, warps)
-    shared_size = warps * run
-
-    @cuda.jit
-    @declare(*PACK_PARAMS)
-    def shard_topk_keys_warp(scores, seq_lens, out, topk, rank, world, query_len,
-                             global_blocks, init_blocks, local_blocks):
-        raw = cuda.local.array(slots, float32)
-        v = cuda.local.array(slots, int64)
-        t = cuda.local.array(slots, int64)
-        acc = cuda.local.array(slots, int64)
-        shared = cuda.shared.array(shared_size, int64)
-        head, row = shard_select(scores, seq_lens, rank, world, query_len, global_blocks,
-                                 init_blocks, local_blocks, raw, v, t, acc, shared)
-        lane = cuda.threadIdx.x
-        if lane < WARP_LANES:
-            for s in range(slots):
-                e = lane * slots + s
-                if e < topk:
-                    out[head, row, e] = acc[s]
-
-    return shard_topk_keys_warp
-
-
-@lru_cache(maxsize=None)
-def pack_to_peers_kernel(run, slots, warps):
-    shard_select = _shard_select(run, slots, warps)
-    shared_size = warps * run
-
-    @cuda.jit
-    @declare(*PACK_TO_PEERS_PARAMS)
-    def shard_topk_keys_to_peers_warp(scores, seq_lens, ctrl, peer0, peer1, peer2, peer3,
-                                      peer4, peer5, peer6, peer7, topk, rank, world, query_len,
-                                      global_blocks, init_blocks, local_blocks, data_start,
-                                      slot, peer_rank, npeers):
-        epoch_box = cuda.shared.array(1, int64)
-        epoch = open_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7,
-                              npeers, peer_rank, epoch_box)
-        raw = cuda.local.array(slots, float32)
-        v = cuda.local.array(slots, int64)
-        t = cuda.local.array(slots, int64)
-        acc = cuda.local.array(slots, int64)
-        shared = cuda.shared.array(shared_size, int64)
-        head, row = shard_select(scores, seq_lens, rank, world, query_len, global_blocks,
-                                 init_blocks, local_blocks, raw, v, t, acc, shared)
-        lane = cuda.threadIdx.x
-        if lane < WARP_LANES:
-            base = delivery_base(data_start, epoch, npeers, peer_rank, slot, head, row,
-                                 scores.shape[1], topk)
-            for s in range(slots):
-                e = lane * slots + s
-                if e < topk:
-                    deliver_key(peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, npeers,
-                                base + e, acc[s])
-        close_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7, npeers,
-                       peer_rank, epoch)
-
-    return shard_topk_keys_to_peers_warp
-
-
-@lru_cache(maxsize=None)
-def _ids_writer(slots):
-    @inline_device
-    def write_ids(acc, topk_idx, head, row, valid_blocks):
-        """Warp 0: the row's top keys in ``acc`` -> block ids (or -1), into ``topk_idx``
-        and back into ``acc``."""
-        topk = topk_idx.shape[2]
-        kept = min(topk, valid_blocks)
-        lane = cuda.threadIdx.x
-        if lane < WARP_LANES:
-            for s in range(slots):
-                e = lane * slots + s
-                block = merged_block(acc[s], e, kept)
-                acc[s] = block
-                if e < topk:
-                    topk_idx[head, row, e] = block
-
-    return write_ids
-
-
-@lru_cache(maxsize=None)
-def _merge_select(run, slots, warps):
-    prefetch, warp_topk = make_warp_topk(gathered_load, gathered_key_of, run, slots, warps,
-                                         presorted=True)
-    write_ids = _ids_writer(slots)
-
-    @inline_device
-    def merge_select(keys, first, world, topk_idx, seq_lens, query_len, init_blocks,
-                     local_blocks, raw, v, t, acc, shared):
-        """Merge this block's (head, row) from ``keys[first:first + world]``; warp 0
-        writes topk_idx and keeps the ids (or -1) in ``acc``."""
-        prefetch(keys, gathered_place(keys, first), world * keys.shape[3], raw)
-        head, row, request, causal_len, valid_blocks, count, ctx = gathered_row(
-            keys, first, world, seq_lens, query_len, init_blocks, local_blocks)
-        warp_topk(keys, ctx, count, raw, v, t, acc, shared)
-        write_ids(acc, topk_idx, head, row, valid_blocks)
-        return head, row, request, causal_len
-
-    return merge_select
-
-
-@lru_cache(maxsize=None)
-def _whole_row_select(run, slots, warps):
-    prefetch, warp_topk = make_warp_topk(shard_load, shard_key_of, run, slots, warps)
-    write_ids = _ids_writer(slots)
-
-    @inline_device
-    def whole_row_select(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks,
-                         local_blocks, raw, v, t, acc, shared):
-        """World 1: this block's (head, row) top-k of pinned keys straight from the
-        scores; warp 0 writes topk_idx and keeps the ids (or -1) in ``acc``."""
-        prefetch(scores, shard_place(0, 1), scores.shape[2], raw)
-        head, row, request, causal_len, valid_blocks, count, ctx = whole_row(
-            scores, seq_lens, query_len, global_blocks, init_blocks, local_blocks)
-        warp_topk(scores, ctx, count, raw, v, t, acc, shared)
-        write_ids(acc, topk_idx, head, row, valid_blocks)
-        return head, row, request, causal_len
-
-    return whole_row_select
-
-
-@lru_cache(maxsize=None)
-def select_kernel(run, slots, warps):
-    """World 1 in one kernel: the scores' global top-k block ids."""
-    select = _whole_row_select(run, slots, warps)
-    shared_size = warps * run
-
-    @cuda.jit
-    @declare(*SELECT_PARAMS)
-    def global_topk_ids_warp(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks,
-                             local_blocks):
-        raw = cuda.local.array(slots, float32)
-        v = cuda.local.array(slots, int64)
-        t = cuda.local.array(slots, int64)
-        acc = cuda.local.array(slots, int64)
-        shared = cuda.shared.array(shared_size, int64)
-        select(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks, local_blocks,
-               raw, v, t, acc, shared)
-
-    return global_topk_ids_warp
-
-
-@lru_cache(maxsize=None)
-def select_table_kernel(run, slots, warps):
-    """World 1 in one kernel: the global top-k block ids and the sparse table."""
-    select = _whole_row_select(run, slots, warps)
-    write_table = table_writer(slots)
-    shared_size = warps * run
-
-    @cuda.jit
-    @declare(*SELECT_TABLE_PARAMS)
-    def global_topk_ids_and_table_warp(scores, seq_lens, topk_idx, block_table, sparse_table,
-                                       context_lens, query_len, global_blocks, init_blocks,
-                                       local_blocks, page_stride):
-        raw = cuda.local.array(slots, float32)
-        v = cuda.local.array(slots, int64)
-        t = cuda.local.array(slots, int64)
-        acc = cuda.local.array(slots, int64)
-        shared = cuda.shared.array(shared_size, int64)
-        head, row, request, causal_len = select(scores, seq_lens, topk_idx, query_len,
-                                                global_blocks, init_blocks, local_blocks,
-                                                raw, v, t, acc, shared)
-        lane = cuda.threadIdx.x
-        if lane < WARP_LANES:
-            write_table(acc, topk_idx.shape[2], causal_len, request, head, row, block_table,
-                        page_stride, sparse_table, context_lens, lane)
-
-    return global_topk_ids_and_table_warp
-
-
-@lru_cache(maxsize=None)
-def _merge_with_table(run, slots, warps):
-    merge_select = _merge_select(run, slots, warps)
-    write_table = table_writer(slots)
-
-    @inline_device
-    def merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
-                         context_lens, query_len, init_blocks, local_blocks, page_stride, raw, v,
-                         t, acc, shared):
-        head, row, request, causal_len = merge_select(
-            keys, first, world, topk_idx, seq_lens, query_len, init_blocks, local_blocks, raw,
-            v, t, acc, shared)
-        lane = cuda.threadIdx.x
-        if lane < WARP_LANES:
-            write_table(acc, topk_idx.shape[2], causal_len, request, head, row, block_table,
-                        page_stride, sparse_table, context_lens, lane)
-
-    return merge_with_table
-
-
-@lru_cache(maxsize=None)
-def merge_kernel(run, slots, warps):
-    merge_select = _merge_select(run, slots, warps)
-    shared_size = warps * run
-
-    @cuda.jit
-    @declare(*MERGE_PARAMS)
-    def merge_topk_ids_warp(keys, topk_idx, seq_lens, query_len, init_blocks, local_blocks):
-        raw = cuda.local.array(slots, int64)
-        v = cuda.local.array(slots, int64)
-        t = cuda.local.array(slots, int64)
-        acc = cuda.local.array(slots, int64)
-        shared = cuda.shared.array(shared_size, int64)
-        merge_select(keys, 0, keys.shape[0], topk_idx, seq_lens, query_len, init_blocks,
-                     local_blocks, raw, v, t, acc, shared)
-
-    return merge_topk_ids_warp
-
-
-@lru_cache(maxsize=None)
-def merge_table_kernel(run, slots, warps):
-    merge_with_table = _merge_with_table(run, slots, warps)
-    shared_size = warps * run
-
-    @cuda.jit
-    @declare(*MERGE_TABLE_PARAMS)
-    def merge_topk_ids_and_table_warp(keys, topk_idx, seq_lens, block_table, sparse_table,
-                                      context_lens, query_len, init_blocks, local_blocks,
-                                      page_stride):
-        raw = cuda.local.array(slots, int64)
-        v = cuda.local.array(slots, int64)
-        t = cuda.local.array(slots, int64)
-        acc = cuda.local.array(slots, int64)
-        shared = cuda.shared.array(shared_size, int64)
-        merge_with_table(keys, 0, keys.shape[0], topk_idx, seq_lens, block_table, sparse_table,
-                         context_lens, query_len, init_blocks, local_blocks, page_stride, raw,
-                         v, t, acc, shared)
-
-    return merge_topk_ids_and_table_warp
-
-
-@lru_cache(maxsize=None)
-def _merge_keys_select(run, slots, warps):
-    prefetch, warp_topk = make_warp_topk(gathered_load, gathered_key_of, run, slots, warps,
-                                         presorted=True)
-
-    @inline_device
-    def merge_keys_select(keys, first, world, out, seq_lens, topk, query_len, init_blocks,
-                          local_blocks, raw, v, t, acc, shared):
-        """Merge this block's (head, row) from ``keys[first:first + world]``; warp 0
-        writes the top ``topk`` keys into ``out``."""
-        prefetch(keys, gathered_place(keys, first), world * keys.shape[3], raw)
-        head, row, _, _, _, count, ctx = gathered_row(keys, first, world, seq_lens,
-                                                      query_len, init_blocks, local_blocks)
-        warp_topk(keys, ctx, count, raw, v, t, acc, shared)
-        lane = cuda.threadIdx.x
-        if lane < WARP_LANES:
-            for s in range(slots):
-                e = lane * slots + s
-                if e < topk:
-                    out[head, row, e] = acc[s]
-
-    return merge_keys_select
-
-
-@lru_cache(maxsize=None)
-def merge_keys_kernel(run, slots, warps):
-    """The two-level exchange's first merge: gathered keys -> the top ``topk`` keys."""
-    merge_keys_select = _merge_keys_select(run, slots, warps)
-    shared_size = warps * run
-
-    @cuda.jit
-    @declare(*MERGE_KEYS_PARAMS)
-    def merge_topk_keys_to_keys_warp(keys, out, seq_lens, topk, query_len, init_blocks,
-                                     local_blocks):
-        raw = cuda.local.array(slots, int64)
-        v = cuda.local.array(slots, int64)
-        t = cuda.local.array(slots, int64)
-        acc = cuda.local.array(slots, int64)
-        shared = cuda.shared.array(shared_size, int64)
-        merge_keys_select(keys, 0, keys.shape[0], out, seq_lens, topk, query_len, init_blocks,
-                          local_blocks, raw, v, t, acc, shared)
-
-    return merge_topk_keys_to_keys_warp
-
-
-@lru_cache(maxsize=None)
-def merge_delivered_keys_kernel(run, slots, warps):
-    """The fused node level's merge: wait, then the delivered keys -> the top ``topk`` keys."""
-    merge_keys_select = _merge_keys_select(run, slots, warps)
-    shared_size = warps * run
-
-    @cuda.jit
-    @declare(*MERGE_DELIVERED_KEYS_PARAMS)
-    def merge_delivered_topk_keys_warp(keys, out, seq_lens, ctrl, flags, errors, topk,
-                                       query_len, init_blocks, local_blocks, timeout_ns,
-                                       block_wait):
-        world = keys.shape[0] >> 1
-        first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
-        raw = cuda.local.array(slots, int64)
-        v = cuda.local.array(slots, int64)
-        t = cuda.local.array(slots, int64)
-        acc = cuda.local.array(slots, int64)
-        shared = cuda.shared.array(shared_size, int64)
-        merge_keys_select(keys, first, world, out, seq_lens, topk, query_len, init_blocks,
-                          local_blocks, raw, v, t, acc, shared)
-
-    return merge_delivered_topk_keys_warp
-
-
-@lru_cache(maxsize=None)
-def merge_delivered_kernel(run, slots, warps):
-    merge_select = _merge_select(run, slots, warps)
-    shared_size = warps * run
-
-    @cuda.jit
-    @declare(*MERGE_DELIVERED_PARAMS)
-    def merge_delivered_topk_ids_warp(keys, topk_idx, seq_lens, ctrl, flags, errors,
-                                      query_len, init_blocks, local_blocks, timeout_ns,
-                                      block_wait):
-        world = keys.shape[0] >> 1
-        first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
-        raw = cuda.local.array(slots, int64)
-        v = cuda.local.array(slots, int64)
-        t = cuda.local.array(slots, int64)
-        acc = cuda.local.array(slots, int64)
-        shared = cuda.shared.array(shared_size, int64)
-        merge_select(keys, first, world, topk_idx, seq_lens, query_len, init_blocks,
-                     local_blocks, raw, v, t, acc, shared)
-
-    return merge_delivered_topk_ids_warp
-
-
-@lru_cache(maxsize=None)
-def merge_delivered_table_kernel(run, slots, warps):
-    merge_with_table = _merge_with_table(run, slots, warps)
-    shared_size = warps * run
-
-    @cuda.jit
-    @declare(*MERGE_DELIVERED_TABLE_PARAMS)
-    def merge_delivered_topk_ids_and_table_warp(keys, topk_idx, seq_lens, ctrl, flags, errors,
-                                                block_table, sparse_table, context_lens,
-                                                query_len, init_blocks, local_blocks,
-                                                page_stride, timeout_ns, block_wait):
-        world = keys.shape[0] >> 1
-        first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
-        raw = cuda.local.array(slots, int64)
-        v = cuda.local.array(slots, int64)
-        t = cuda.local.array(slots, int64)
-        acc = cuda.local.array(slots, int64)
-        shared = cuda.shared.array(shared_size, int64)
-        merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
-                         context_lens, query_len, init_blocks, local_blocks, page_stride, raw,
-                         v, t, acc, shared)
-
-    return merge_delivered_topk_ids_and_table_warp
+# Kernel factories: ``pack_kernel(run, slots, warps)`` and so on (kernels/shells.py).
+(pack_kernel, merge_kernel, merge_table_kernel, merge_keys_kernel, select_kernel,
+ select_table_kernel, pack_to_peers_kernel, merge_delivered_kernel, merge_delivered_table_kernel,
+ merge_delivered_keys_kernel) = kernel_factories(selection)

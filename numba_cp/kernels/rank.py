@@ -1,0 +1,221 @@
+"""The rank family: exact top-k of short rows by counting (``method="rank"``).
+
+Every key's place in the row's order is the number of keys above it, and
+keys at places ``< topk`` are the answer, already sorted. A block of
+``threads`` threads holds a row of up to ``threads * slots`` candidates, one
+per thread and slot, so the work is spread over all of the block's warps and
+every thread's comparisons are independent of each other.
+
+Why: on the exchange's smallest rows (64 to 256 candidates) the warp family
+spends most of its time in the dependent chain of its sorting network, a
+shuffle and a compare-select per stage, ~20 stages deep, one warp per row.
+Counting issues the same number of compares or more, but none waits on
+another, and a row's warps share the work.
+
+Algorithm, for a compile-time ``run`` (a power of two >= topk) and ``chunk``
+(a power of two, ``run <= chunk <= threads * slots``):
+
+1. every key is tagged below its 49 bits with its index (``key << 14 |
+   (16383 - i)``), so all tagged keys differ, ties resolve to the lower
+   index, and one 64-bit compare orders two keys. The tagged keys go to
+   shared memory;
+2. within each chunk of ``chunk`` consecutive keys, a key's place is the
+   number of the chunk's keys above it; the chunk's ``run`` first places
+   land in shared memory in order (a sorted run per chunk);
+3. with more than one chunk, a survivor's place in the row is its place in
+   its run plus, for every other run, the number of that run's keys above it
+   (a binary search of ``log2 run`` steps: the runs are sorted);
+4. every thread writes its own keys whose places are below ``topk`` straight
+   to the outputs: no gather, no barrier. The sparse-table writer, a scan
+   over one warp's lanes, gets the top ``run`` in warp 0's registers in the
+   warp family's element order instead, through shared memory.
+
+``presorted`` (the merge's gathered keys: descending runs of ``run``
+consecutive keys when ``per_shard == run``) skips step 2: step 3 reads the
+runs where they are while a check that they are in order runs beside it,
+and if one is not, the row is ranked as usual (chunks of ``run``).
+"""
+
+from functools import lru_cache
+
+from numba import int32, int64, uint64
+
+from ..backend import cuda
+from .primitives import WARP_LANES, inline_device
+from .shells import KERNELS, Selection, kernel_factories
+
+__all__ = ["make_rank_topk", "selection", "TAG_BITS", "MAX_CAPACITY", *KERNELS]
+
+TAG_BITS = 14  # keys have 49 bits (SPEC.md), so a tagged key is below 2**63
+MAX_CAPACITY = 1 << TAG_BITS
+_TAG_TOP = MAX_CAPACITY - 1
+
+
+def _log2(n):
+    return n.bit_length() - 1
+
+
+@lru_cache(maxsize=None)
+def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
+                   warp_layout=False):
+    """``(prefetch, rank_topk)`` for one candidate source (kernels/rows.py), with
+    the calling convention of :func:`numba_cp.kernels.warp.make_warp_topk`.
+
+    Afterwards each thread's ``acc[s]`` is a key and ``v[s]`` its place in
+    the row's order, for its ``slots`` candidates (places ``>= run``: not
+    among the top ``run``); with ``warp_layout``, warp 0's lanes hold the
+    places in element order instead, as the warp family leaves them (one
+    more barrier). ``shared`` is a shared int64 array of ``2 * threads *
+    slots + 1``; ``raw``, ``v``, ``t`` and ``acc`` local arrays of ``slots``.
+    ``count <= threads * slots``: the host picks this family only for rows
+    that fit.
+    """
+    capacity = threads * slots
+    if presorted:
+        chunk = run
+    if not (run <= chunk <= capacity <= MAX_CAPACITY and WARP_LANES * slots >= run
+            and threads % WARP_LANES == 0
+            and all(n & (n - 1) == 0 for n in (run, chunk, slots, threads))):
+        raise ValueError(f"no rank top-k for run={run}, slots={slots}, threads={threads}, "
+                         f"chunk={chunk}")
+    chunks = capacity // chunk
+    log_run = _log2(run)
+    log_chunk = _log2(chunk)
+    flag = 2 * capacity  # presorted: whether a run was out of order
+
+    @inline_device
+    def prefetch(src, place, room, raw):
+        tid = cuda.threadIdx.x
+        for s in range(slots):
+            i = s * threads + tid  # a warp's loads are consecutive: they coalesce
+            if i < room:
+                raw[s] = load(src, place, i)
+
+    @inline_device
+    def count_above(shared, first, length, mine):
+        """Keys above ``mine`` among ``shared[first:first + length]``, all of them
+        compared (independent compares, so they issue back to back)."""
+        above = int32(0)  # kept 32-bit (Numba would widen a sum to 64 bits)
+        for j in range(length):
+            # Unsigned indices: Numba wraps a signed one around for negative values.
+            if shared[first + uint64(j)] > mine:
+                above = int32(above + 1)
+        return int64(above)
+
+    @inline_device
+    def search_above(shared, first, mine):
+        """Keys above ``mine`` in the descending run ``shared[first:first + run]``
+        (a binary search, a select per step)."""
+        above = int64(0)
+        step = run >> 1
+        while step > 0:
+            if shared[first + uint64(above + step - 1)] > mine:
+                above += step
+            step >>= 1
+        if shared[first + uint64(above)] > mine:
+            above += 1
+        return above
+
+    @inline_device
+    def rank_in_chunks(shared, source, target, v, acc):
+        """Step 2: each of the thread's keys at ``shared[source:]`` gets its place
+        in its chunk (``v``); the first ``run`` of each chunk are written, in
+        order, at ``shared[target + c * run:]``."""
+        tid = cuda.threadIdx.x
+        for s in range(slots):
+            i = s * threads + tid
+            mine = shared[uint64(source + i)]
+            place = count_above(shared, uint64(source + ((i >> log_chunk) << log_chunk)), chunk,
+                                mine)
+            acc[s] = mine
+            v[s] = place
+            if chunks > 1 and place < run:  # one chunk: the places are final
+                shared[uint64(target + ((i >> log_chunk) << log_run) + place)] = mine
+
+    @inline_device
+    def place_in_runs(shared, source, v, acc):
+        """Step 3: each of the thread's survivors in the ``chunks`` sorted runs at
+        ``shared[source:]`` gets its place among all of them (``v``, ``acc``).
+        Its own run counts too: there the keys above it are its position."""
+        tid = cuda.threadIdx.x
+        for s in range(slots):
+            p = s * threads + tid
+            place = int64(run)
+            mine = int64(0)
+            if p < chunks * run:
+                mine = shared[uint64(source + p)]
+                place = int64(0)
+                for c in range(chunks):  # independent searches: their loads overlap
+                    place += search_above(shared, uint64(source + (c << log_run)), mine)
+            v[s] = place
+            acc[s] = mine
+
+    @inline_device
+    def rank_topk(src, ctx, count, raw, v, t, acc, shared):
+        tid = cuda.threadIdx.x
+        for s in range(slots):
+            i = s * threads + tid
+            key = key_of(raw[s], ctx, i) if i < count else int64(0)
+            shared[uint64(i)] = (key << TAG_BITS) | (_TAG_TOP - i)
+        if presorted and tid == 0:
+            shared[flag] = 0
+        cuda.syncthreads()
+        free = 0  # a shared region nobody reads any more
+        if presorted:
+            disordered = False
+            for s in range(slots):
+                i = s * threads + tid
+                if (i & (run - 1)) != 0 and shared[uint64(i - 1)] < shared[uint64(i)]:
+                    disordered = True
+            # Place the keys as if the runs were sorted while the check's verdict settles.
+            place_in_runs(shared, 0, v, acc)
+            if disordered:
+                shared[flag] = 1
+            cuda.syncthreads()
+            free = capacity
+            if shared[flag] != 0:  # block-uniform: every thread reads it after the barrier
+                rank_in_chunks(shared, 0, capacity, v, acc)
+                if chunks > 1:
+                    cuda.syncthreads()
+                    place_in_runs(shared, capacity, v, acc)
+                    free = 0
+        else:
+            rank_in_chunks(shared, 0, capacity, v, acc)
+            free = capacity
+            if chunks > 1:
+                cuda.syncthreads()
+                place_in_runs(shared, capacity, v, acc)
+                free = 0
+        if warp_layout:
+            for s in range(slots):
+                if v[s] < run:
+                    shared[uint64(free + v[s])] = acc[s]
+            cuda.syncthreads()
+            for s in range(slots):
+                e = tid * slots + s
+                if tid < WARP_LANES and e < run:
+                    acc[s] = shared[uint64(free + e)]
+                    v[s] = e
+                else:
+                    acc[s] = 0
+                    v[s] = run
+        for s in range(slots):
+            acc[s] >>= TAG_BITS
+
+    return prefetch, rank_topk
+
+
+@lru_cache(maxsize=None)
+def selection(run, slots, threads, chunk):
+    """The rank family's :class:`~.shells.Selection` for one launch shape."""
+
+    def make(load, key_of, presorted=False, warp_layout=False):
+        return make_rank_topk(load, key_of, run, slots, threads, chunk, presorted, warp_layout)
+
+    return Selection(make, slots, 2 * threads * slots + 1, "rank")
+
+
+# Kernel factories: ``pack_kernel(run, slots, threads, chunk)`` and so on (kernels/shells.py).
+(pack_kernel, merge_kernel, merge_table_kernel, merge_keys_kernel, select_kernel,
+ select_table_kernel, pack_to_peers_kernel, merge_delivered_kernel, merge_delivered_table_kernel,
+ merge_delivered_keys_kernel) = kernel_factories(selection)
