@@ -297,6 +297,8 @@ def run_case(name, args, torch):
         # one knob at a time around the defaults (each new shape is a compile)
         shapes = [("warp", None, n) for n in (32, 64, 128, 256)]
         shapes += [("warp", t, n) for t in (32, 256, 512, 1024) for n in (32, 64)]
+        shapes += [("rank", None, n) for n in (None, 32, 128)]
+        shapes += [("rank", t, None) for t in (64, 128)]
         shapes += [("radix", None, None)]
         with stream:
             for method, threads, sort_limit in shapes:

@@ -39,10 +39,13 @@ MERGE_SORT_ALL = 256
 # The rank kernels: the longest row they take (one key per thread and slot), and
 # the most threads a row gets.
 RANK_MAX_ROW = 2048
-RANK_THREADS = 8 * TARGET.lanes if TARGET.simulator else 256
-# "auto" takes the rank kernels for rows of up to this many candidates, and
-# ranks a pack's keys in chunks of RANK_CHUNK (see choose_method).
+RANK_THREADS = 2 * TARGET.lanes if TARGET.simulator else 256
+# "auto" takes the rank kernels for launches of up to RANK_AUTO_ROWS rows of up to
+# RANK_AUTO_ROW candidates (see choose_method). A pack ranks its keys in chunks of
+# RANK_CHUNK: on the H200, 32 and 64 were within 0.05 us in every case, 128 and
+# 256 up to 4.4x slower.
 RANK_AUTO_ROW = 256
+RANK_AUTO_ROWS = 256
 RANK_CHUNK = 64
 
 
@@ -50,16 +53,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def choose_method(method, topk, candidates=None):
-    """The kernel family for ``method``, ``topk`` and rows of ``candidates``:
-    ``"warp"``, ``"rank"`` or ``"radix"`` (``candidates=None``: any row).
+def choose_method(method, topk, candidates=None, rows=None):
+    """The kernel family for ``method``, ``topk`` and ``rows`` rows of
+    ``candidates``: ``"warp"``, ``"rank"`` or ``"radix"`` (``None``: unknown).
 
-    ``"auto"`` takes the rank kernels for rows of up to RANK_AUTO_ROW
-    candidates, and elsewhere the warp kernels wherever ``topk`` fits (a
-    sorted run of ``next_pow2(topk)`` keys in one warp's registers): in the
-    H200 launch sweep (BENCHMARKS.md, "Launch shapes") the warp kernels were
-    3-5.5x faster than the radix kernels in every case (topk 16 to 128). The
-    radix kernels serve larger ``topk``.
+    ``"auto"`` takes the rank kernels for launches of at most RANK_AUTO_ROWS
+    rows of at most RANK_AUTO_ROW candidates, and elsewhere the warp kernels
+    wherever ``topk`` fits (a sorted run of ``next_pow2(topk)`` keys in one
+    warp's registers). The radix kernels serve larger ``topk``. Measured on
+    the H200 (BENCHMARKS.md, "Launch shapes"): the warp kernels were 3-5.5x
+    faster than the radix kernels in every case (topk 16 to 128); the rank
+    kernels beat the warp kernels by 0.3-0.5 us on launches of 64-256 rows of
+    64-256 candidates (cases a, b, g) and lost by 0.1-1.6 us on 1024 rows
+    (c, f), where a row's many threads compete for the GPU's issue slots.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
@@ -72,7 +78,8 @@ def choose_method(method, topk, candidates=None):
                          f"{candidates}; use method='warp', 'radix' or 'auto'")
     if method != "auto":
         return method
-    if candidates is not None and candidates <= RANK_AUTO_ROW and _next_pow2(topk) <= RANK_AUTO_ROW:
+    if (candidates is not None and rows is not None and candidates <= RANK_AUTO_ROW
+            and rows <= RANK_AUTO_ROWS and _next_pow2(topk) <= RANK_AUTO_ROW):
         return "rank"
     return "warp" if fits else "radix"
 
@@ -235,7 +242,8 @@ def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_b
     validate.dim(out_a, 0, heads, "heads, as in scores")
     validate.dim(out_a, 1, tokens, "tokens, as in scores")
     validate.dim_at_least(out_a, 2, scalars[0], "topk")
-    family, shape, threads = _pack_family(scalars, method, threads, sort_limit)
+    family, shape, threads = _pack_family(scalars, method, threads, sort_limit,
+                                           heads * tokens)
     if not (heads and tokens):
         return _NoWork()
     return KernelLaunch(family.pack_kernel(*shape), (tokens, heads), threads, scalars,
@@ -280,15 +288,17 @@ def _pack_scalars(scores_a, seq_lens_a, topk, rank, world, query_len, global_blo
     return [topk, rank, world, query_len, global_blocks, init_blocks, local_blocks]
 
 
-def _pack_family(scalars, method, threads, sort_limit):
+def _pack_family(scalars, method, threads, sort_limit, rows):
     """``(family module, kernel shape, threads per block)`` of a pack."""
     topk, _, world, _, global_blocks = scalars[:5]
-    return _family(topk, -(-global_blocks // world), method, threads, sort_limit, merge=False)
+    return _family(topk, -(-global_blocks // world), method, threads, sort_limit, merge=False,
+                   rows=rows)
 
 
-def _family(topk, candidates, method, threads, sort_limit, merge):
-    """``(family module, kernel shape, threads per block)`` for rows of ``candidates``."""
-    chosen = choose_method(method, topk, candidates)
+def _family(topk, candidates, method, threads, sort_limit, merge, rows):
+    """``(family module, kernel shape, threads per block)`` for ``rows`` rows of
+    ``candidates``."""
+    chosen = choose_method(method, topk, candidates, rows)
     if chosen == "rank":
         shape = _rank_shape(topk, candidates, threads, sort_limit, presorted=merge)
         return rank, shape, shape[2]
@@ -353,7 +363,8 @@ def _plan_pack_to_peers(arrays, topk, rank, world, query_len, global_blocks, ini
     _words(ctrl_a, ipc_kernels.CTRL_WORDS)
     for q in range(npeers):
         _words(as_kernel_array(arrays[3 + q], f"peers[{q}]"), data_start + 2 * npeers * slot)
-    family, shape, threads = _pack_family(scalars, method, threads, sort_limit)
+    family, shape, threads = _pack_family(scalars, method, threads, sort_limit,
+                                           heads * tokens)
     if not (heads and tokens):
         return _NoWork()
     return KernelLaunch(family.pack_to_peers_kernel(*shape), (tokens, heads), threads,
@@ -517,7 +528,8 @@ def _plan_global_topk_ids(arrays, query_len, global_blocks, init_blocks, local_b
     validate.dim(idx_a, 1, tokens, "tokens, as in scores")
     requests = validate.rows(tokens, scalars[3], seq_lens_a)
     tables = _table_arrays(heads, tokens, topk, requests, *arrays[3:], block_page_stride)
-    family, shape, threads = _pack_family(scalars, method, threads, sort_limit)
+    family, shape, threads = _pack_family(scalars, method, threads, sort_limit,
+                                           heads * tokens)
     if tables is not None and family is radix:  # the table writer needs one whole warp
         threads = max(threads, radix.TABLE_THREADS)
     if not (heads and tokens):
@@ -577,7 +589,7 @@ def _merge_keys_launch_for(keys_a, ranks, arrays, waits, wait_scalars, topk, que
     validate.dim_at_least(out_a, 2, topk, "topk")
     validate.rows(tokens, query_len, seq_lens_a)
     family, shape, threads = _family(topk, ranks * per_shard, method, threads, sort_limit,
-                                     merge=True)
+                                     merge=True, rows=heads * tokens)
     if not (heads and tokens):
         return _NoWork()
     kernel = (family.merge_delivered_keys_kernel if waits else family.merge_keys_kernel)(*shape)
@@ -687,7 +699,8 @@ def _merge_launch_for(keys_a, world, arrays, waits, wait_scalars, query_len, ini
                            sparse_block_table_out, sparse_context_lens_out, block_page_stride)
 
     candidates = world * per_shard
-    family, shape, threads = _family(topk, candidates, method, threads, sort_limit, merge=True)
+    family, shape, threads = _family(topk, candidates, method, threads, sort_limit, merge=True,
+                                     rows=heads * tokens)
     if tables is not None and family is radix:  # the table writer needs one whole warp
         threads = max(threads, radix.TABLE_THREADS)
     if not (heads and tokens):

@@ -21,6 +21,10 @@ def _ordered_host(score):
 # needs no float bit casts at all.
 ORDERED_INIT = _ordered_host(INIT_SCORE)
 ORDERED_LOCAL = _ordered_host(LOCAL_SCORE)
+ORDERED_POSITIVE_ZERO = _ordered_host(0.0)
+ORDERED_NEGATIVE_ZERO = _ordered_host(-0.0)
+ORDERED_POSITIVE_INF = _ordered_host(np.inf)
+ORDERED_NEGATIVE_INF = _ordered_host(-np.inf)
 
 
 # The two maps below are written as selects, not early returns: a branch per
@@ -62,10 +66,19 @@ def score_key(score, block, init_blocks, local_start):
 
 
 @cuda.jit(device=True, inline=True)
+def canonical_ordered(ordered):
+    """``ordered_from_bits(bits_from_ordered(ordered))`` for any uint32 ``ordered``,
+    without the round trip: -0 becomes +0 and every NaN 0, all else stays."""
+    ordered = int64(ORDERED_POSITIVE_ZERO) if ordered == ORDERED_NEGATIVE_ZERO else ordered
+    nan = ordered > ORDERED_POSITIVE_INF or ordered < ORDERED_NEGATIVE_INF
+    return int64(0) if nan else ordered
+
+
+@cuda.jit(device=True, inline=True)
 def repin_key(key, init_blocks, local_start):
     """A gathered non-zero key decoded, pinned with this row's window and repacked."""
     block = (key & 0xFFFF) - 1
-    ordered = ordered_from_bits(bits_from_ordered((key >> 16) & 0xFFFFFFFF))
+    ordered = canonical_ordered((key >> 16) & 0xFFFFFFFF)
     return make_key(pin_ordered(ordered, block, init_blocks, local_start), block)
 
 

@@ -28,8 +28,8 @@ if NAME != "sim":
     intrinsic, cgutils = _numba.intrinsic_api(NAME)
 
 __all__ = ["inline_device", "float_bits", "shared_atomic_add", "WARP_LANES", "lane_exchange",
-           "lane_value", "lane_read", "lanes_all", "flag_load", "flag_store", "fence_system",
-           "spin_pause", "clock_ns", "ctrl_add", "ctrl_cas"]
+           "lane_value", "lane_read", "lanes_all", "block_any", "flag_load", "flag_store",
+           "fence_system", "spin_pause", "clock_ns", "ctrl_add", "ctrl_cas"]
 
 
 def inline_device(fn):
@@ -229,6 +229,29 @@ else:  # numba-hip has no warp votes (and the simulator none): a butterfly of sh
             every &= lane_value(every, lane, mask)
             mask <<= 1
         return every != 0
+
+
+# A block barrier that also votes (the rank family's check that sorted runs are).
+if NAME in ("cuda", "sim"):
+
+    @cuda.jit(device=True, inline=True)
+    def block_any(flag, cell):
+        """A barrier that says whether ``flag`` held in any thread of the block.
+        ``cell`` (a shared int64 array of one element) must read 0 and have
+        settled at an earlier barrier; this spelling does not touch it."""
+        return cuda.syncthreads_or(int32(1) if flag else int32(0)) != 0
+
+else:  # numba-hip has no block votes: a shared flag between two barriers
+
+    @cuda.jit(device=True, inline=True)
+    def block_any(flag, cell):
+        """A barrier that says whether ``flag`` held in any thread of the block.
+        ``cell`` (a shared int64 array of one element) must read 0 and have
+        settled at an earlier barrier."""
+        if flag:
+            cell[0] = 1
+        cuda.syncthreads()
+        return cell[0] != 0
 
 
 # ---------------------------------------------------------------------------

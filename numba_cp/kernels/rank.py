@@ -41,7 +41,7 @@ from functools import lru_cache
 from numba import int32, int64, uint64
 
 from ..backend import cuda
-from .primitives import WARP_LANES, inline_device
+from .primitives import WARP_LANES, block_any, inline_device
 from .shells import KERNELS, Selection, kernel_factories
 
 __all__ = ["make_rank_topk", "selection", "TAG_BITS", "MAX_CAPACITY", *KERNELS]
@@ -167,13 +167,10 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
                 i = s * threads + tid
                 if (i & (run - 1)) != 0 and shared[uint64(i - 1)] < shared[uint64(i)]:
                     disordered = True
-            # Place the keys as if the runs were sorted while the check's verdict settles.
+            # Place the keys as if the runs were sorted before the check's verdict.
             place_in_runs(shared, 0, v, acc)
-            if disordered:
-                shared[flag] = 1
-            cuda.syncthreads()
             free = capacity
-            if shared[flag] != 0:  # block-uniform: every thread reads it after the barrier
+            if block_any(disordered, shared[flag:flag + 1]):
                 rank_in_chunks(shared, 0, capacity, v, acc)
                 if chunks > 1:
                     cuda.syncthreads()

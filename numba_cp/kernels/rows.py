@@ -9,14 +9,14 @@ results go is here.
 
 from functools import lru_cache
 
-from numba import int32, int64
+from numba import float32, int32, int64
 
 from ..backend import cuda
 from ..constants import PAGES, SPARSE_BLOCK
 from .ipc import PEER_SLOTS
 from .keys import causal_len_of, quotient, repin_key, score_key, valid_blocks_of
 from .params import INTEGER, Array, scalars
-from .primitives import WARP_LANES, inline_device, lane_value
+from .primitives import WARP_LANES, float_bits, inline_device, lane_value
 
 __all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARAMS",
            "SELECT_PARAMS", "SELECT_TABLE_PARAMS", "PACK_TO_PEERS_PARAMS", "whole_row",
@@ -154,13 +154,11 @@ def row_window(seq_lens, row, query_len, local_blocks):
 
 @cuda.jit(device=True, inline=True)
 def per_shard_shift(per_shard):
-    """log2(per_shard) when it is a power of two, else -1 (see gathered_candidate_key)."""
-    shift = int64(-1)
-    if per_shard & (per_shard - 1) == 0:
-        shift = 0
-        while (int64(1) << shift) < per_shard:
-            shift += 1
-    return shift
+    """log2(per_shard) when it is a power of two, else -1 (see gathered_candidate_key);
+    read from the exponent of ``float32(per_shard)``, as keys.quotient does."""
+    if per_shard > 0 and per_shard & (per_shard - 1) == 0:
+        return (float_bits(float32(per_shard)) >> 23) - 127
+    return int64(-1)
 
 
 @cuda.jit(device=True, inline=True)
