@@ -309,10 +309,11 @@ def _ids_table_writer(capacity):
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             blocks = cuda.local.array(slots, int64)
+            pages = cuda.local.array(slots, int64)
             for s in range(slots):
                 e = lane * slots + s
                 blocks[s] = sel[e] if e < topk else int64(-1)
-            write_table(blocks, topk, causal_len, request, head, row, block_table,
+            write_table(blocks, pages, topk, causal_len, request, head, row, block_table,
                         page_stride, sparse_table, context_lens, lane)
 
     return write_ids_table

@@ -22,9 +22,10 @@ Algorithm, for a compile-time ``run`` (a power of two >= topk) and ``chunk``
 2. within each chunk of ``chunk`` consecutive keys, a key's place is the
    number of the chunk's keys above it; the chunk's ``run`` first places
    land in shared memory in order (a sorted run per chunk);
-3. with more than one chunk, a survivor's place in the row is its place in
-   its run plus, for every other run, the number of that run's keys above it
-   (a binary search of ``log2 run`` steps: the runs are sorted);
+3. with more than one chunk, a survivor's place in the row is the number of
+   keys above it in all the runs, its own included (the runs are sorted, so
+   two rounds of reads find it in each: the groups of ~sqrt(run) keys wholly
+   above, then the keys above in the next group);
 4. every thread writes its own keys whose places are below ``topk`` straight
    to the outputs: no gather, no barrier. The sparse-table writer, a scan
    over one warp's lanes, gets the top ``run`` in warp 0's registers in the
@@ -65,8 +66,10 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
     the row's order, for its ``slots`` candidates (places ``>= run``: not
     among the top ``run``); with ``warp_layout``, warp 0's lanes hold the
     places in element order instead, as the warp family leaves them (one
-    more barrier). ``shared`` is a shared int64 array of ``2 * threads *
-    slots + 1``; ``raw``, ``v``, ``t`` and ``acc`` local arrays of ``slots``.
+    more barrier), and each candidate's ``t[s]`` (set by the caller for slot
+    ``s``, candidate ``s * threads + tid``) moves with its key. ``shared`` is a
+    shared int64 array of ``3 * threads * slots + 1 + run``; ``raw``, ``v``,
+    ``t`` and ``acc`` local arrays of ``slots``.
     ``count <= threads * slots``: the host picks this family only for rows
     that fit.
     """
@@ -82,6 +85,10 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
     log_run = _log2(run)
     log_chunk = _log2(chunk)
     flag = 2 * capacity  # presorted: whether a run was out of order
+    carried = flag + 1  # warp_layout: the t of the top run, by place
+    payloads = carried + run  # warp_layout: every candidate's t, by index
+    group = 1 << ((log_run + 1) >> 1)  # search_above's groups: about sqrt(run) keys each
+    groups = run // group
 
     @inline_device
     def prefetch(src, place, room, raw):
@@ -104,16 +111,22 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
 
     @inline_device
     def search_above(shared, first, mine):
-        """Keys above ``mine`` in the descending run ``shared[first:first + run]``
-        (a binary search, a select per step)."""
-        above = int64(0)
-        step = run >> 1
-        while step > 0:
-            if shared[first + uint64(above + step - 1)] > mine:
-                above += step
-            step >>= 1
-        if shared[first + uint64(above)] > mine:
-            above += 1
+        """Keys above ``mine`` in the descending run ``shared[first:first + run]``.
+
+        Two rounds of independent reads, not ``log2 run`` dependent ones: the
+        last key of every group of ``group`` says how many whole groups lie
+        above ``mine``, then the first group not wholly above is counted.
+        """
+        whole = int64(0)
+        for j in range(groups):
+            if shared[first + uint64(j * group + group - 1)] > mine:
+                whole += 1
+        partial = min(whole, groups - 1)  # past the last group: count the last one
+        base = first + uint64(partial * group)
+        above = partial * group + (whole - partial)
+        for m in range(group - 1):
+            if shared[base + uint64(m)] > mine:
+                above += 1
         return above
 
     @inline_device
@@ -157,6 +170,8 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
             i = s * threads + tid
             key = key_of(raw[s], ctx, i) if i < count else int64(0)
             shared[uint64(i)] = (key << TAG_BITS) | (_TAG_TOP - i)
+            if warp_layout:  # a key may change threads on its way: its t waits here
+                shared[uint64(payloads + i)] = t[s]
         if presorted and tid == 0:
             shared[flag] = 0
         cuda.syncthreads()
@@ -187,11 +202,14 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
             for s in range(slots):
                 if v[s] < run:
                     shared[uint64(free + v[s])] = acc[s]
+                    shared[uint64(carried + v[s])] = shared[
+                        uint64(payloads + _TAG_TOP - (acc[s] & _TAG_TOP))]
             cuda.syncthreads()
             for s in range(slots):
                 e = tid * slots + s
                 if tid < WARP_LANES and e < run:
                     acc[s] = shared[uint64(free + e)]
+                    t[s] = shared[uint64(carried + e)]
                     v[s] = e
                 else:
                     acc[s] = 0
@@ -209,7 +227,11 @@ def selection(run, slots, threads, chunk):
     def make(load, key_of, presorted=False, warp_layout=False):
         return make_rank_topk(load, key_of, run, slots, threads, chunk, presorted, warp_layout)
 
-    return Selection(make, slots, 2 * threads * slots + 1, "rank")
+    @inline_device
+    def candidate(s):
+        return s * threads + cuda.threadIdx.x
+
+    return Selection(make, slots, 3 * threads * slots + 1 + run, "rank", candidate)
 
 
 # Kernel factories: ``pack_kernel(run, slots, threads, chunk)`` and so on (kernels/shells.py).

@@ -24,7 +24,7 @@ __all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARA
            "shard_candidate_key", "gathered_candidate_key", "shard_row", "gathered_row",
            "shard_load", "shard_key_of", "gathered_load", "gathered_key_of", "shard_place",
            "gathered_place",
-           "merged_block", "table_writer"]
+           "merged_block", "table_writer", "page_of"]
 
 # The kernels' parameters: the wrappers' arrays in the wrappers' order, then scalars.
 PACK_PARAMS = (Array("scores", "float32", 3), Array("seq_lens", INTEGER, 1),
@@ -204,35 +204,48 @@ def merged_block(key, position, kept):
     return (key & 0xFFFF) - 1 if (position < kept and key != 0) else int64(-1)
 
 
+@cuda.jit(device=True, inline=True)
+def page_of(block, request, block_table, page_stride):
+    """Block ``block``'s first page in request ``request``, or 0 where the block
+    table has no such column (the table writer uses only blocks it has)."""
+    if 0 <= block < block_table.shape[1]:
+        return int64(block_table[request, block]) * page_stride
+    return int64(0)
+
+
 @lru_cache(maxsize=None)
-def table_writer(slots):
-    """``write(blocks, topk, causal_len, request, head, row, block_table, page_stride,
-    sparse_table, context_lens, lane)``: SPEC.md's paged sparse block table of one
-    ``(head, row)``, written by the lanes of one whole warp.
+def table_writer(slots, preloaded=False):
+    """``write(blocks, pages, topk, causal_len, request, head, row, block_table,
+    page_stride, sparse_table, context_lens, lane)``: SPEC.md's paged sparse
+    block table of one ``(head, row)``, written by the lanes of one whole warp.
 
     ``blocks`` is the lane's local array of ``slots`` merged block ids (or -1)
-    at positions ``e = lane * slots + s``; it is overwritten. A used full
-    block's output slot is the number of full blocks before it: an exclusive
-    scan over the lanes (butterfly, so it needs only xor shuffles); the tail
-    block takes the slot after the last full one.
+    at positions ``e = lane * slots + s``; it is overwritten. ``pages``, a
+    local int64 array of ``slots``, gets each used block's first page; with
+    ``preloaded`` it holds them already (``block_table[request, b] *
+    page_stride``, read while the row was still being selected), and used
+    entries are not looked up again. A used full block's output slot is the
+    number of full blocks before it: an exclusive scan over the lanes
+    (butterfly, so it needs only xor shuffles); the tail block takes the slot
+    after the last full one.
     """
 
     @inline_device
-    def write_sparse_table(blocks, topk, causal_len, request, head, row, block_table,
+    def write_sparse_table(blocks, pages, topk, causal_len, request, head, row, block_table,
                            page_stride, sparse_table, context_lens, lane):
         ctx_len = max(causal_len, 0)
         self_blk = (causal_len - 1) // SPARSE_BLOCK
         columns = block_table.shape[1]
         # The page lookups go first, all in flight at once, and the scan runs
         # while they travel: they need only the block ids.
-        pages = cuda.local.array(slots, int64)
         full = int64(0)
         tail = int64(0)
         for s in range(slots):
             e = lane * slots + s
             b = blocks[s]
             if e < topk and ctx_len > 0 and 0 <= b <= self_blk and b < columns:
-                pages[s] = block_table[request, b] * page_stride
+                if not preloaded:
+                    pages[s] = block_table[request, b] * page_stride
                 if b < self_blk:
                     full += 1
                 else:

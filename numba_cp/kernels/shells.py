@@ -23,6 +23,7 @@ from numba import float32, int64
 
 from ..backend import cuda
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
+from .keys import quotient
 from .params import declare
 from .primitives import WARP_LANES, inline_device
 from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
@@ -30,7 +31,7 @@ from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
                    SELECT_PARAMS, SELECT_TABLE_PARAMS, gathered_key_of, gathered_load,
                    gathered_place, gathered_row, merged_block, shard_key_of, shard_load,
-                   shard_place, shard_row, table_writer, whole_row)
+                   shard_place, shard_row, table_writer, whole_row, page_of)
 
 __all__ = ["Selection", "KERNELS", "kernel_factories"]
 
@@ -48,12 +49,18 @@ class Selection(NamedTuple):
     layout). ``slots`` sizes the local arrays (``raw``, ``v``, ``t``, ``acc``)
     and ``shared_size`` the shared int64 array; ``family`` ends the kernels'
     names.
+
+    ``candidate``: ``None``, or a device function ``candidate(s)``, the row
+    index of the thread's slot ``s`` of ``raw``, for a family whose
+    ``warp_layout`` carries each candidate's ``t[s]`` along with its key: the
+    table kernels then read every candidate's page while the row is selected.
     """
 
     make: Callable
     slots: int
     shared_size: int
     family: str
+    candidate: Callable = None
 
 
 def _jit(fn, sel):
@@ -157,9 +164,8 @@ def _ids_writer(slots):
 
 
 @lru_cache(maxsize=None)
-def _merge_select(sel, warp_layout=False):
-    prefetch, select_top = sel.make(gathered_load, gathered_key_of, presorted=True,
-                                    warp_layout=warp_layout)
+def _merge_select(sel):
+    prefetch, select_top = sel.make(gathered_load, gathered_key_of, presorted=True)
     write_ids = _ids_writer(sel.slots)
 
     @inline_device
@@ -178,8 +184,8 @@ def _merge_select(sel, warp_layout=False):
 
 
 @lru_cache(maxsize=None)
-def _whole_row_select(sel, warp_layout=False):
-    prefetch, select_top = sel.make(shard_load, shard_key_of, warp_layout=warp_layout)
+def _whole_row_select(sel):
+    prefetch, select_top = sel.make(shard_load, shard_key_of)
     write_ids = _ids_writer(sel.slots)
 
     @inline_device
@@ -221,8 +227,11 @@ def select_kernel(sel):
 @lru_cache(maxsize=None)
 def select_table_kernel(sel):
     """World 1 in one kernel: the global top-k block ids and the sparse table."""
-    select = _whole_row_select(sel, warp_layout=True)
-    write_table = table_writer(sel.slots)
+    prefetch, select_top = sel.make(shard_load, shard_key_of, warp_layout=True)
+    write_ids = _ids_writer(sel.slots)
+    candidate = sel.candidate
+    early_pages = candidate is not None
+    write_table = table_writer(sel.slots, preloaded=early_pages)
     shared_size = sel.shared_size
     slots = sel.slots
 
@@ -235,12 +244,18 @@ def select_table_kernel(sel):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
-        head, row, request, causal_len = select(scores, seq_lens, topk_idx, query_len,
-                                                global_blocks, init_blocks, local_blocks,
-                                                raw, v, t, acc, shared)
+        prefetch(scores, shard_place(0, 1), scores.shape[2], raw)
+        if early_pages:  # world 1: candidate i is block i, so its page needs no score
+            request = quotient(int64(cuda.blockIdx.x), query_len)
+            for s in range(slots):
+                t[s] = page_of(candidate(s), request, block_table, page_stride)
+        head, row, request, causal_len, valid_blocks, count, ctx = whole_row(
+            scores, seq_lens, query_len, global_blocks, init_blocks, local_blocks)
+        select_top(scores, ctx, count, raw, v, t, acc, shared)
+        write_ids(acc, v, topk_idx, head, row, valid_blocks)
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
-            write_table(acc, topk_idx.shape[2], causal_len, request, head, row, block_table,
+            write_table(acc, t, topk_idx.shape[2], causal_len, request, head, row, block_table,
                         page_stride, sparse_table, context_lens, lane)
 
     return _jit(global_topk_ids_and_table, sel)
@@ -248,19 +263,31 @@ def select_table_kernel(sel):
 
 @lru_cache(maxsize=None)
 def _merge_with_table(sel):
-    merge_select = _merge_select(sel, warp_layout=True)
-    write_table = table_writer(sel.slots)
+    prefetch, select_top = sel.make(gathered_load, gathered_key_of, presorted=True,
+                                    warp_layout=True)
+    write_ids = _ids_writer(sel.slots)
+    candidate = sel.candidate
+    early_pages = candidate is not None
+    write_table = table_writer(sel.slots, preloaded=early_pages)
+    slots = sel.slots
 
     @inline_device
     def merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
                          context_lens, query_len, init_blocks, local_blocks, page_stride, raw, v,
                          t, acc, shared):
-        head, row, request, causal_len = merge_select(
-            keys, first, world, topk_idx, seq_lens, query_len, init_blocks, local_blocks, raw,
-            v, t, acc, shared)
+        prefetch(keys, gathered_place(keys, first), world * keys.shape[3], raw)
+        head, row, request, causal_len, valid_blocks, count, ctx = gathered_row(
+            keys, first, world, seq_lens, query_len, init_blocks, local_blocks)
+        if early_pages:  # every candidate's page, in flight while the row is selected
+            for s in range(slots):
+                t[s] = int64(0)
+                if candidate(s) < count:
+                    t[s] = page_of((raw[s] & 0xFFFF) - 1, request, block_table, page_stride)
+        select_top(keys, ctx, count, raw, v, t, acc, shared)
+        write_ids(acc, v, topk_idx, head, row, valid_blocks)
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
-            write_table(acc, topk_idx.shape[2], causal_len, request, head, row, block_table,
+            write_table(acc, t, topk_idx.shape[2], causal_len, request, head, row, block_table,
                         page_stride, sparse_table, context_lens, lane)
 
     return merge_with_table
