@@ -6,11 +6,14 @@
     bash benchmarks/ncu_small_rows.sh            # Nsight Compute over ``launch``
 
 ``probes``: device µs per call (CUDA-graph replay, as bench_kernels.py) of the
-pack and merge of each case beside three probes with the pack's grid and one
+pack and merge of each case beside probes with the pack's grid and one
 warp per row: loads independent of seq_lens (``floor_indep``: bench_kernels.py's
 floor probe), score loads that wait for seq_lens (``floor_dep``), and the same after
-two int64 divisions (``floor_div64``). Their differences price a dependent
-memory round trip and a division chain in the kernels' setting.
+two int64 divisions (``floor_div64``); and with blocks of 64 and 128 threads that
+trade their loads through shared memory across one barrier (``floor_barrier64``,
+``floor_barrier128``), as the rank kernels' blocks do. Their differences price a
+dependent memory round trip, a division chain and a block barrier in the kernels'
+setting.
 
 ``launch``: a few eager calls of each case's pack and merge, for a profiler to
 catch; ``--sass F`` also writes every compiled kernel's SASS to ``F`` with a
@@ -68,14 +71,27 @@ def probe_kernels():
         if lane < scores.shape[2]:
             out[head, row, lane] = int(scores[head, row, lane] > 0) + n + c
 
-    return floor_kernel(), floor_dep, floor_div64
+    @cuda.jit
+    def floor_barrier(scores, seq_lens, out):
+        row = cuda.blockIdx.x
+        head = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        shared = cuda.shared.array(128, int64)
+        n = seq_lens[row]
+        if tid < scores.shape[2]:
+            shared[tid] = int(scores[head, row, tid] > 0) + n
+        cuda.syncthreads()
+        if tid < out.shape[2]:
+            out[head, row, tid] = shared[(tid + 1) % cuda.blockDim.x]
+
+    return floor_kernel(), floor_dep, floor_div64, floor_barrier
 
 
 def probes(cases):
     import cupy
     from numba import cuda
 
-    floor_indep, floor_dep, floor_div64 = probe_kernels()
+    floor_indep, floor_dep, floor_div64, floor_barrier = probe_kernels()
     for name in cases:
         pack, merge, table_on, shard, seq_lens, out = build(name)
         stream = cupy.cuda.Stream(non_blocking=True)
@@ -93,6 +109,11 @@ def probes(cases):
             row["floor_dep"] = device_us(
                 lambda s: floor_dep[grid, 32, numba_stream](shard, seq_lens, probe_out),
                 stream, 50, 20)
+            for threads in (64, 128):  # the rank kernels' blocks: several warps, a barrier
+                row[f"floor_barrier{threads}"] = device_us(
+                    lambda s: floor_barrier[grid, threads, numba_stream](shard, seq_lens,
+                                                                         probe_out),
+                    stream, 50, 20)
             row["floor_div64"] = device_us(
                 lambda s: floor_div64[grid, 32, numba_stream](shard, seq_lens, probe_out, 1),
                 stream, 50, 20)

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=128)
     p.add_argument("--init-blocks", type=int, default=1)
     p.add_argument("--local-blocks", type=int, default=2)
-    p.add_argument("--method", choices=("auto", "warp", "radix"), default="auto")
+    p.add_argument("--method", choices=numba_cp.METHODS, default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)

@@ -1,8 +1,9 @@
-"""The warp kernels at CUDA's (32) and CDNA's (64) warp widths, on the simulator.
+"""The warp and rank kernels at CUDA's (32) and CDNA's (64) warp widths, on the simulator.
 
 The test suite simulates warps of 8 lanes for speed; the GPUs have 32 or 64.
-The lane count changes which stages stay inside a lane and which cross lanes,
-so each width runs an exchange end to end (pack on every shard, merge, sparse
+The lane count changes which stages stay inside a lane and which cross lanes
+(warp kernels), and how many threads and keys per thread a row gets (rank
+kernels), so each width runs an exchange end to end (pack on every shard, merge, sparse
 table, equality with the unsharded oracle), world 1 in one kernel (with the
 table) and the two-level exchange's first merge, in a subprocess of its own.
 """
@@ -20,12 +21,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.skipif(not TARGET.simulator, reason="sets the simulator's warp width")
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", ["warp", "rank"])
 @pytest.mark.parametrize("lanes", [4, 32, 64])
-def test_exchange_is_exact_at_each_warp_width(lanes):
+def test_exchange_is_exact_at_each_warp_width(lanes, method):
     env = dict(os.environ, NUMBA_CP_BACKEND="sim", NUMBA_CP_SIM_LANES=str(lanes),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     args = ["--local", "100", "--topk", "40", "--heads", "1", "--tokens", "2",
-            "--query-len", "2", "--world", "3", "--method", "warp"]
+            "--query-len", "2", "--world", "3", "--method", method]
     proc = subprocess.run([sys.executable, "launch/kernel_check.py", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stdout + proc.stderr

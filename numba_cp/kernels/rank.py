@@ -42,12 +42,15 @@ from functools import lru_cache
 from numba import int32, int64, uint64
 
 from ..backend import cuda
-from .primitives import WARP_LANES, block_any, inline_device
+from .primitives import WARP_LANES, bits_as_float64, block_any, inline_device
 from .shells import KERNELS, Selection, kernel_factories
 
 __all__ = ["make_rank_topk", "selection", "TAG_BITS", "MAX_CAPACITY", *KERNELS]
 
-TAG_BITS = 14  # keys have 49 bits (SPEC.md), so a tagged key is below 2**63
+# Keys have 49 bits (SPEC.md), so a tagged key is below 2**63, and its bits 52-62
+# (the valid bit and the top of the ordered score, at most +inf's 0xFF800000)
+# are never all set: as a float64 it is finite (primitives.bits_as_float64).
+TAG_BITS = 14
 MAX_CAPACITY = 1 << TAG_BITS
 _TAG_TOP = MAX_CAPACITY - 1
 
@@ -102,10 +105,11 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
     def count_above(shared, first, length, mine):
         """Keys above ``mine`` among ``shared[first:first + length]``, all of them
         compared (independent compares, so they issue back to back)."""
+        bound = bits_as_float64(mine)  # one compare per key (see bits_as_float64)
         above = int32(0)  # kept 32-bit (Numba would widen a sum to 64 bits)
         for j in range(length):
             # Unsigned indices: Numba wraps a signed one around for negative values.
-            if shared[first + uint64(j)] > mine:
+            if bits_as_float64(shared[first + uint64(j)]) > bound:
                 above = int32(above + 1)
         return int64(above)
 
