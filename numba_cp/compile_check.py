@@ -51,6 +51,10 @@ CAPACITIES = (16, 2048)  # the smallest sort tile the tests use and the envelope
 # cross-lane stages, and multi-warp rows (chunk loop + shared-memory tree).
 # Both fit a run in a warp of 32 (CUDA) and of 64 lanes (CDNA).
 WARP_SHAPES = ((16, 2, 1), (128, 4, 8))
+# (run, slots, threads, chunk) of the rank kernels: a row ranked in one chunk by
+# two warps, and one of four chunks, two keys per thread, merged by run searches.
+# Both fit a run in a warp of 32 and of 64 lanes.
+RANK_SHAPES = ((16, 1, 64, 64), (32, 2, 128, 64))
 
 
 def signature(kernel, integer=types.int32, word=types.uint64):
@@ -72,10 +76,12 @@ def signature(kernel, integer=types.int32, word=types.uint64):
 
 def specialisations():
     """``(label, python function, signature)`` for every kernel the wrappers can launch."""
-    from .kernels import ipc, radix, warp
+    from .kernels import ipc, radix, rank, warp
 
     families = [(warp, "run={},slots={},warps={}".format(*shape), shape, (types.int32,))
                 for shape in WARP_SHAPES]
+    families += [(rank, "run={},slots={},threads={},chunk={}".format(*shape), shape,
+                  (types.int32,)) for shape in RANK_SHAPES]
     families += [(radix, f"cap={capacity}", (capacity,), (types.int32, types.int64))
                  for capacity in CAPACITIES]
     for family, shape_label, shape, integers in families:
@@ -99,14 +105,19 @@ def specialisations():
             yield label, kernel.py_func, signature(kernel, word=word)
 
 
-def compile_all(cc=(9, 0)):
+def _chosen(only):
+    """The specialisations whose label contains ``only`` (all for ``None``)."""
+    return [s for s in specialisations() if only is None or only in s[0]]
+
+
+def compile_all(cc=(9, 0), only=None):
     """Yield ``(label, ok, seconds, detail)`` per specialisation."""
     with _numba.stand_in_device("cuda", compute_capability=cc):
-        yield from _compile_each(cc)
+        yield from _compile_each(cc, only)
 
 
-def _compile_each(cc):
-    for label, pyfunc, sig in specialisations():
+def _compile_each(cc, only):
+    for label, pyfunc, sig in _chosen(only):
         start = time.perf_counter()
         try:
             ptx, _ = cuda.compile_ptx(pyfunc, sig, cc=cc)
@@ -115,7 +126,7 @@ def _compile_each(cc):
         else:
             local = sum(int(n) for n in re.findall(r"\.local \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
             detail = f"{len(ptx)} bytes of PTX, {local} B local memory"
-            if "_warp[" in label and local:  # the warp kernels' keys must stay in registers
+            if ("_warp[" in label or "_rank[" in label) and local:  # keys stay in registers
                 yield label, False, time.perf_counter() - start, detail + " (expected none)"
             else:
                 yield label, True, time.perf_counter() - start, detail
@@ -235,7 +246,7 @@ def _safe_stem(label, arch):
     return arch + "-" + "".join(c if c.isalnum() or c in "-_=" else "_" for c in label)
 
 
-def compile_all_hip(archs=("gfx90a", "gfx942"), lld=None, keep=None):
+def compile_all_hip(archs=("gfx90a", "gfx942"), lld=None, keep=None, only=None):
     """Yield ``(label, arch, level reached or None, seconds, detail)`` per specialisation."""
     workdir = keep or tempfile.mkdtemp(prefix="numba_cp_hip_")
     os.makedirs(workdir, exist_ok=True)
@@ -243,7 +254,7 @@ def compile_all_hip(archs=("gfx90a", "gfx942"), lld=None, keep=None):
     try:
         for arch in archs:
             with _target_arch(arch):
-                for label, pyfunc, sig in specialisations():
+                for label, pyfunc, sig in _chosen(only):
                     yield (label, arch) + _compile_one_hip(label, pyfunc, sig, arch,
                                                             builder, keep)
     finally:
@@ -344,12 +355,13 @@ def main_hip(args) -> int:
         print("no ld.lld (--lld, $NUMBA_CP_LLD or PATH): the strongest level is LLVM IR")
     print(f"{'kernel':<52} {'arch':<7} {'level':<12} {'result':<6} {'s':>6}  detail")
     failures = 0
-    for label, arch, level, seconds, detail in compile_all_hip(archs, lld, args.keep):
+    for label, arch, level, seconds, detail in compile_all_hip(archs, lld, args.keep,
+                                                               args.only):
         ok = level is not None and LEVELS.index(level) >= LEVELS.index(strongest)
         failures += not ok
         print(f"{label:<52} {arch:<7} {level or '-':<12} {'ok' if ok else 'FAIL':<6} "
               f"{seconds:6.2f}  {detail}", flush=True)
-    count = len(archs) * len(list(specialisations()))
+    count = len(archs) * len(_chosen(args.only))
     print(f"{count - failures} of {count} kernel x arch compiles reached {strongest}")
     if args.probe_comgr and archs:
         print(f"numba-hip's own code-object path: {_comgr_probe(archs[-1])}")
@@ -371,6 +383,8 @@ def main(argv=None) -> int:
     parser.add_argument("--probe-comgr", action="store_true",
                         help="--target hip: also try numba-hip's own comgr code-object path "
                              "on one kernel and report the outcome (it never fails the check)")
+    parser.add_argument("--only", metavar="TEXT", default=None,
+                        help="compile only the kernels whose label contains TEXT")
     args = parser.parse_args(argv)
     if args.target == "hip":
         return main_hip(args)
@@ -381,7 +395,7 @@ def main(argv=None) -> int:
     cc = tuple(int(part) for part in args.cc.split("."))
     failures = 0
     print(f"{'kernel':<52} {'sm':>4} {'result':<6} {'s':>6}  detail")
-    for label, ok, seconds, detail in compile_all(cc):
+    for label, ok, seconds, detail in compile_all(cc, args.only):
         failures += not ok
         print(f"{label:<52} {cc[0]}{cc[1]:<3} {'ok' if ok else 'FAIL':<6} {seconds:6.2f}  {detail}")
     return 1 if failures else 0

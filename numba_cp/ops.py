@@ -197,13 +197,17 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
             caller queues the work around the call; else CuPy's current
             stream, else the default stream.
         method: ``"warp"`` (warps sort in registers; ``topk`` up to 16 keys
-            per lane of a warp, 512 on NVIDIA), ``"radix"`` (block radix
-            select, any ``topk``) or ``"auto"`` (warp where it fits).
+            per lane of a warp, 512 on NVIDIA), ``"rank"`` (a block counts
+            each key's place; rows of up to 2048 candidates), ``"radix"``
+            (block radix select, any ``topk``) or ``"auto"`` (rank on small
+            grids of short rows, else warp where it fits; see choose_method).
         threads, sort_limit: launch tuning. ``"warp"``: threads per row, a
             power-of-two number of whole warps, and the keys one warp sorts per
-            pass. ``"radix"``: threads per block, and the most keys a row sorts
-            (rows with more are radix-selected down to that many first).
-            Results depend on none of these.
+            pass. ``"rank"``: threads per row (whole warps, a power of two),
+            and the keys ranked together in a chunk. ``"radix"``: threads per
+            block, and the most keys a row sorts (rows with more are
+            radix-selected down to that many first). Results depend on none of
+            these.
 
     Returns:
         ``out``.

@@ -84,6 +84,9 @@ def test_every_kernel_compiles_to_ptx_for_sm90():
     warp = [line for line in proc.stdout.splitlines() if "_warp[" in line]
     assert len(warp) == 20, proc.stdout  # register-only: a local-memory depot fails the line
     assert all(" ok " in line and " 0 B local memory" in line for line in warp), proc.stdout
+    rank = [line for line in proc.stdout.splitlines() if "_rank[" in line]
+    assert len(rank) == 20, proc.stdout  # two shapes x 10 kernels, register-only too
+    assert all(" ok " in line and " 0 B local memory" in line for line in rank), proc.stdout
     ipc = [line for line in proc.stdout.splitlines() if line.startswith("ipc_")]
     assert len(ipc) == 6 and all(" ok " in line for line in ipc), proc.stdout  # IPC all-gather
 
@@ -104,8 +107,11 @@ NEEDS = {"ipc_push": SIGNAL, "ipc_wait_copy": WAIT, "ipc_bump": (), "ipc_wait": 
          "shard_topk_keys_to_peers_warp": SIGNAL, "merge_delivered_topk_ids_warp": WAIT,
          "merge_delivered_topk_ids_and_table_warp": WAIT, "shard_topk_keys_to_peers": SIGNAL,
          "merge_delivered_topk_ids": WAIT, "merge_delivered_topk_ids_and_table": WAIT,
-         "merge_delivered_topk_keys_warp": WAIT, "merge_delivered_topk_keys": WAIT}
-FUSED_SHAPES = ("[run=16,slots=2,warps=1]", "[cap=16,seq_lens=int32]")
+         "merge_delivered_topk_keys_warp": WAIT, "merge_delivered_topk_keys": WAIT,
+         "shard_topk_keys_to_peers_rank": SIGNAL, "merge_delivered_topk_ids_rank": WAIT,
+         "merge_delivered_topk_ids_and_table_rank": WAIT, "merge_delivered_topk_keys_rank": WAIT}
+FUSED_SHAPES = ("[run=16,slots=2,warps=1]", "[run=16,slots=1,threads=64,chunk=64]",
+                "[cap=16,seq_lens=int32]")
 with stand_in_device("cuda", compute_capability=(9, 0)):
     for label, fn, sig in specialisations():
         name = label.split("[")[0]
@@ -133,8 +139,10 @@ def test_ipc_kernels_assemble_for_sm90():
         pytest.skip("libnvJitLink is not loadable")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     labels = [line.split()[0] for line in proc.stdout.splitlines()]
-    fused = [f"{name}{shape}" for shape, suffix in (("[run=16,slots=2,warps=1]", "_warp"),
-                                                     ("[cap=16,seq_lens=int32]", ""))
+    fused = [f"{name}{shape}" for shape, suffix in (
+                 ("[run=16,slots=2,warps=1]", "_warp"),
+                 ("[run=16,slots=1,threads=64,chunk=64]", "_rank"),
+                 ("[cap=16,seq_lens=int32]", ""))
              for name in ("shard_topk_keys_to_peers", "merge_delivered_topk_ids",
                           "merge_delivered_topk_ids_and_table", "merge_delivered_topk_keys")
              for name in [name + suffix]]

@@ -46,12 +46,18 @@ def test_every_kernel_compiles_to_an_amdgpu_code_object():
     assert len(warp) == 20 * len(ARCH_FLAGS), proc.stdout
     assert all(" code object  ok " in line and " 0 B scratch" in line for line in warp), \
         proc.stdout
+    # the rank kernels: two shapes x 10 kernels, their keys in VGPRs as well
+    rank = [line for line in proc.stdout.splitlines()
+            if "_rank[" in line.split(" ", 1)[0] and len(line.split()) > 2]
+    assert len(rank) == 20 * len(ARCH_FLAGS), proc.stdout
+    assert all(" code object  ok " in line and " 0 B scratch" in line for line in rank), \
+        proc.stdout
     # the IPC all-gather's kernels: bump, push and wait_copy in 8-byte words and bytes, wait
     ipc = [line for line in proc.stdout.splitlines()
            if line.startswith("ipc_") and len(line.split()) > 2]
     assert len(ipc) == 6 * len(ARCH_FLAGS), proc.stdout
     assert all(" code object  ok " in line for line in ipc), proc.stdout
-    total = (40 + 20 + 6) * len(ARCH_FLAGS)
+    total = (40 + 20 + 20 + 6) * len(ARCH_FLAGS)
     assert f"{total} of {total} kernel x arch compiles reached code object" in proc.stdout, \
         proc.stdout
 

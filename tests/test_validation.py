@@ -67,8 +67,21 @@ PACK_CASES = [
     (dict(local_blocks=-2), ValueError, "local_blocks"),
     (dict(threads=0), ValueError, "threads"),
     (dict(threads=2048), ValueError, "threads"),
+    (dict(method="rank", threads=12), ValueError, "threads"),  # not whole warps
+    (dict(method="rank", threads=0), ValueError, "threads"),
+    (dict(method="rank", sort_limit=0), ValueError, "sort_limit"),
+    (dict(method="bitonic"), ValueError, "method"),
     (dict(scores=[[[0.0]]]), TypeError, "scores"),
 ]
+
+
+def test_rank_method_names_its_row_limit():
+    """A shard row longer than the rank kernels hold is refused up front, not mis-ranked."""
+    long = dict(scores=to_device(np.zeros((1, 1, 2049), np.float32)),
+                seq_lens=to_device(np.full(1, 2049 * 128, np.int32)), world=1,
+                global_blocks=2049, out=to_device(np.zeros((1, 1, TOPK), np.int64)))
+    with pytest.raises(ValueError, match="method='rank' handles rows of up to 2048"):
+        numba_cp.local_topk_keys(**pack_args(**long, method="rank"))
 
 
 @pytest.mark.parametrize("change,error,name", PACK_CASES)

@@ -3,7 +3,11 @@
 =================  ===========================================================
 ``rows.py``        what every family shares: row window, candidate readers,
                    the sparse-table writer, the kernels' parameter declarations
+``shells.py``      the ten kernels the warp and rank families build from their
+                   row selection
 ``warp.py``        the warp family (``method="warp"``): registers and shuffles
+``rank.py``        the rank family (``method="rank"``): each key's place counted,
+                   for short rows on small grids
 ``radix.py``       the radix family (``method="radix"``): any ``topk``
 ``keys.py``        the packed int64 key and the row window's arithmetic
 ``ipc.py``         the IPC all-gather's kernels and its protocol note

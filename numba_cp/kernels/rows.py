@@ -280,14 +280,16 @@ def table_writer(slots, preloaded=False):
                 else:
                     slot = n_full
             blocks[s] = slot
-        for s in range(slots):
-            e = lane * slots + s
-            slot = blocks[s]
-            if slot >= 0:
-                for p in range(PAGES):
+        # Pages outside, slots inside: the short inner loop unrolls, so ``blocks``
+        # and ``pages`` stay in registers (a rolled loop over slots would index
+        # them at run time, which puts them in scratch on AMD GPUs).
+        for p in range(PAGES):
+            for s in range(slots):
+                e = lane * slots + s
+                slot = blocks[s]
+                if slot >= 0:
                     sparse_table[head, row, slot * PAGES + p] = pages[s] + p
-            if n_used <= e < topk:
-                for p in range(PAGES):
+                if n_used <= e < topk:
                     sparse_table[head, row, e * PAGES + p] = 0
 
     return write_sparse_table
