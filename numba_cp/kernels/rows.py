@@ -230,6 +230,8 @@ def table_writer(slots, preloaded=False):
     after the last full one.
     """
 
+    store_slots = _slots_pages(slots)
+
     @inline_device
     def write_sparse_table(blocks, pages, topk, causal_len, request, head, row, block_table,
                            page_stride, sparse_table, context_lens, lane):
@@ -280,16 +282,40 @@ def table_writer(slots, preloaded=False):
                 else:
                     slot = n_full
             blocks[s] = slot
-        # Pages outside, slots inside: the short inner loop unrolls, so ``blocks``
-        # and ``pages`` stay in registers (a rolled loop over slots would index
-        # them at run time, which puts them in scratch on AMD GPUs).
-        for p in range(PAGES):
-            for s in range(slots):
-                e = lane * slots + s
-                slot = blocks[s]
-                if slot >= 0:
-                    sparse_table[head, row, slot * PAGES + p] = pages[s] + p
-                if n_used <= e < topk:
-                    sparse_table[head, row, e * PAGES + p] = 0
+        store_slots(blocks, pages, sparse_table, head, row, n_used, topk, lane)
 
     return write_sparse_table
+
+
+@lru_cache(maxsize=None)
+def _slot_pages(s, slots):
+    """Slot ``s``'s eight page ids (or zeros past the used entries), with ``s`` a
+    constant: the caller's slots are one call each, so ``blocks`` and ``pages``
+    keep constant indices even where the compiler would leave a loop over the
+    slots rolled (it did on AMD GPUs, putting both arrays in scratch)."""
+
+    @inline_device
+    def store(blocks, pages, sparse_table, head, row, n_used, topk, lane):
+        e = lane * slots + s
+        slot = blocks[s]
+        if slot >= 0:
+            for p in range(PAGES):
+                sparse_table[head, row, slot * PAGES + p] = pages[s] + p
+        if n_used <= e < topk:
+            for p in range(PAGES):
+                sparse_table[head, row, e * PAGES + p] = 0
+
+    return store
+
+
+@lru_cache(maxsize=None)
+def _slots_pages(slots):
+    """Every slot's pages: :func:`_slot_pages` of each slot, called in order
+    (generated as flat source, one call per slot)."""
+    names = [f"slot_{s}" for s in range(slots)]
+    body = "".join(f"    {name}(blocks, pages, sparse_table, head, row, n_used, topk, lane)\n"
+                   for name in names)
+    namespace = {name: _slot_pages(s, slots) for s, name in enumerate(names)}
+    exec(f"def store_slots(blocks, pages, sparse_table, head, row, n_used, topk, lane):\n"  # noqa: S102
+         f"{body}", namespace)
+    return inline_device(namespace["store_slots"])
