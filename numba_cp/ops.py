@@ -42,8 +42,9 @@ RANK_MAX_ROW = 2048
 RANK_THREADS = 2 * TARGET.lanes if TARGET.simulator else 256
 # "auto" takes the rank kernels for launches of up to RANK_AUTO_ROWS rows of up to
 # RANK_AUTO_ROW candidates (see choose_method). A pack ranks its keys in chunks of
-# RANK_CHUNK: on the H200, 32 and 64 were within 0.05 us in every case, 128 and
-# 256 up to 4.4x slower.
+# RANK_CHUNK: on the H200, chunks of 32 were within 0.05 us of 64 in cases a and b
+# and 0.3 us slower in g, chunks of 128 and 256 2.2-5.5x slower (BENCHMARKS.md,
+# "Small rows: the rank kernels").
 RANK_AUTO_ROW = 256
 RANK_AUTO_ROWS = 256
 RANK_CHUNK = 64
@@ -61,11 +62,12 @@ def choose_method(method, topk, candidates=None, rows=None):
     rows of at most RANK_AUTO_ROW candidates, and elsewhere the warp kernels
     wherever ``topk`` fits (a sorted run of ``next_pow2(topk)`` keys in one
     warp's registers). The radix kernels serve larger ``topk``. Measured on
-    the H200 (BENCHMARKS.md, "Launch shapes"): the warp kernels were 3-5.5x
-    faster than the radix kernels in every case (topk 16 to 128); the rank
-    kernels beat the warp kernels by 0.3-0.5 us on launches of 64-256 rows of
-    64-256 candidates (cases a, b, g) and lost by 0.1-1.6 us on 1024 rows
-    (c, f), where a row's many threads compete for the GPU's issue slots.
+    the H200 (BENCHMARKS.md, "Launch shapes" and "Small rows: the rank
+    kernels"): the warp kernels were 3-5.5x faster than the radix kernels in
+    every case (topk 16 to 128); the rank kernels beat the warp kernels by
+    0.02-0.46 us on launches of 64-256 rows of 64-256 candidates (cases a, b,
+    g) and lost by 0.1-1.7 us on 1024 rows (c, f), where a row's many threads
+    compete for the GPU's issue slots.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
