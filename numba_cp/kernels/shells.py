@@ -97,7 +97,7 @@ def pack_kernel(sel):
 
     @declare(*PACK_PARAMS)
     def shard_topk_keys(scores, seq_lens, out, topk, rank, world, query_len,
-                             global_blocks, init_blocks, local_blocks):
+                        global_blocks, init_blocks, local_blocks):
         raw = cuda.local.array(slots, float32)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
@@ -120,9 +120,9 @@ def pack_to_peers_kernel(sel):
 
     @declare(*PACK_TO_PEERS_PARAMS)
     def shard_topk_keys_to_peers(scores, seq_lens, ctrl, peer0, peer1, peer2, peer3,
-                                      peer4, peer5, peer6, peer7, topk, rank, world, query_len,
-                                      global_blocks, init_blocks, local_blocks, data_start,
-                                      slot, peer_rank, npeers):
+                                 peer4, peer5, peer6, peer7, topk, rank, world, query_len,
+                                 global_blocks, init_blocks, local_blocks, data_start,
+                                 slot, peer_rank, npeers):
         epoch_box = cuda.shared.array(1, int64)
         epoch = open_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7,
                               npeers, peer_rank, epoch_box)
@@ -212,7 +212,7 @@ def select_kernel(sel):
 
     @declare(*SELECT_PARAMS)
     def global_topk_ids(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks,
-                             local_blocks):
+                        local_blocks):
         raw = cuda.local.array(slots, float32)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
@@ -237,8 +237,8 @@ def select_table_kernel(sel):
 
     @declare(*SELECT_TABLE_PARAMS)
     def global_topk_ids_and_table(scores, seq_lens, topk_idx, block_table, sparse_table,
-                                       context_lens, query_len, global_blocks, init_blocks,
-                                       local_blocks, page_stride):
+                                  context_lens, query_len, global_blocks, init_blocks,
+                                  local_blocks, page_stride):
         raw = cuda.local.array(slots, float32)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
@@ -320,8 +320,8 @@ def merge_table_kernel(sel):
 
     @declare(*MERGE_TABLE_PARAMS)
     def merge_topk_ids_and_table(keys, topk_idx, seq_lens, block_table, sparse_table,
-                                      context_lens, query_len, init_blocks, local_blocks,
-                                      page_stride):
+                                 context_lens, query_len, init_blocks, local_blocks,
+                                 page_stride):
         raw = cuda.local.array(slots, int64)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
@@ -364,7 +364,7 @@ def merge_keys_kernel(sel):
 
     @declare(*MERGE_KEYS_PARAMS)
     def merge_topk_keys_to_keys(keys, out, seq_lens, topk, query_len, init_blocks,
-                                     local_blocks):
+                                local_blocks):
         raw = cuda.local.array(slots, int64)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
@@ -385,8 +385,8 @@ def merge_delivered_keys_kernel(sel):
 
     @declare(*MERGE_DELIVERED_KEYS_PARAMS)
     def merge_delivered_topk_keys(keys, out, seq_lens, ctrl, flags, errors, topk,
-                                       query_len, init_blocks, local_blocks, timeout_ns,
-                                       block_wait):
+                                  query_len, init_blocks, local_blocks, timeout_ns,
+                                  block_wait):
         world = keys.shape[0] >> 1
         first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
         raw = cuda.local.array(slots, int64)
@@ -408,8 +408,8 @@ def merge_delivered_kernel(sel):
 
     @declare(*MERGE_DELIVERED_PARAMS)
     def merge_delivered_topk_ids(keys, topk_idx, seq_lens, ctrl, flags, errors,
-                                      query_len, init_blocks, local_blocks, timeout_ns,
-                                      block_wait):
+                                 query_len, init_blocks, local_blocks, timeout_ns,
+                                 block_wait):
         world = keys.shape[0] >> 1
         first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
         raw = cuda.local.array(slots, int64)
@@ -431,9 +431,9 @@ def merge_delivered_table_kernel(sel):
 
     @declare(*MERGE_DELIVERED_TABLE_PARAMS)
     def merge_delivered_topk_ids_and_table(keys, topk_idx, seq_lens, ctrl, flags, errors,
-                                                block_table, sparse_table, context_lens,
-                                                query_len, init_blocks, local_blocks,
-                                                page_stride, timeout_ns, block_wait):
+                                           block_table, sparse_table, context_lens,
+                                           query_len, init_blocks, local_blocks,
+                                           page_stride, timeout_ns, block_wait):
         world = keys.shape[0] >> 1
         first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
         raw = cuda.local.array(slots, int64)
