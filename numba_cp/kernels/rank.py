@@ -17,8 +17,8 @@ Algorithm, for a compile-time ``run`` (a power of two >= topk) and ``chunk``
 
 1. every key is tagged below its 49 bits with its index (``key << 14 |
    (16383 - i)``), so all tagged keys differ, ties resolve to the lower
-   index, and one 64-bit compare orders two keys. The tagged keys go to
-   shared memory;
+   index, and one compare orders two keys (of their bits read as float64,
+   one instruction). The tagged keys go to shared memory;
 2. within each chunk of ``chunk`` consecutive keys, a key's place is the
    number of the chunk's keys above it; the chunk's ``run`` first places
    land in shared memory in order (a sorted run per chunk);
