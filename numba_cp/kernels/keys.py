@@ -42,11 +42,6 @@ def ordered_from_bits(bits):
 
 
 @cuda.jit(device=True, inline=True)
-def bits_from_ordered(ordered):
-    return ordered ^ ((((ordered >> 31) ^ 1) * 0x7FFFFFFF) | 0x80000000)
-
-
-@cuda.jit(device=True, inline=True)
 def pin_ordered(ordered, block, init_blocks, local_start):
     """Ordered score after pinning: local beats init beats the block's own."""
     ordered = int64(ORDERED_INIT) if block < init_blocks else ordered
@@ -67,8 +62,9 @@ def score_key(score, block, init_blocks, local_start):
 
 @cuda.jit(device=True, inline=True)
 def canonical_ordered(ordered):
-    """``ordered_from_bits(bits_from_ordered(ordered))`` for any uint32 ``ordered``,
-    without the round trip: -0 becomes +0 and every NaN 0, all else stays."""
+    """A gathered key's ordered score as ``ordered_from_bits`` would give it for the
+    float it encodes (any uint32 ``ordered``): -0 becomes +0 and every NaN 0, all
+    else stays."""
     ordered = int64(ORDERED_POSITIVE_ZERO) if ordered == ORDERED_NEGATIVE_ZERO else ordered
     nan = ordered > ORDERED_POSITIVE_INF or ordered < ORDERED_NEGATIVE_INF
     return int64(0) if nan else ordered
