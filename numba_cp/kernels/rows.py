@@ -9,14 +9,14 @@ results go is here.
 
 from functools import lru_cache
 
-from numba import float32, int32, int64
+from numba import float32, int32, int64, uint64
 
 from ..backend import cuda
 from ..constants import PAGES, SPARSE_BLOCK
 from .ipc import PEER_SLOTS
 from .keys import causal_len_of, quotient, repin_key, score_key, valid_blocks_of
 from .params import INTEGER, Array, scalars
-from .primitives import WARP_LANES, float_bits, inline_device, lane_value
+from .primitives import WARP_LANES, float_bits, inline_device, lanes_below, warp_sync
 
 __all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARAMS",
            "SELECT_PARAMS", "SELECT_TABLE_PARAMS", "PACK_TO_PEERS_PARAMS", "whole_row",
@@ -82,7 +82,7 @@ MERGE_DELIVERED_KEYS_PARAMS = (*MERGE_KEYS_PARAMS[:3], *_WAIT_ARRAYS, *MERGE_KEY
 
 @cuda.jit(device=True, inline=True)
 def shard_load(scores, ctx, column):
-    return scores[ctx[0], ctx[1], column]
+    return scores[uint64(ctx[0]), uint64(ctx[1]), uint64(column)]
 
 
 @cuda.jit(device=True, inline=True)
@@ -105,7 +105,7 @@ def gathered_load(keys, ctx, i):
     else:
         rank = i // per_shard
         column = i - rank * per_shard
-    return keys[first + rank, head, row, column]
+    return keys[uint64(first + rank), uint64(head), uint64(row), uint64(column)]
 
 
 @cuda.jit(device=True, inline=True)
@@ -147,7 +147,7 @@ def shard_candidate_count(valid_blocks, global_blocks, rank, world, local):
 @cuda.jit(device=True, inline=True)
 def row_window(seq_lens, row, query_len, local_blocks):
     request = quotient(row, query_len)
-    causal_len = causal_len_of(seq_lens[request], row - request * query_len, query_len)
+    causal_len = causal_len_of(seq_lens[uint64(request)], row - request * query_len, query_len)
     valid_blocks = valid_blocks_of(causal_len)
     return request, causal_len, valid_blocks, max(valid_blocks - local_blocks, 0)
 
@@ -209,113 +209,90 @@ def page_of(block, request, block_table, page_stride):
     """Block ``block``'s first page in request ``request``, or 0 where the block
     table has no such column (the table writer uses only blocks it has)."""
     if 0 <= block < block_table.shape[1]:
-        return int64(block_table[request, block]) * page_stride
+        return int64(block_table[uint64(request), uint64(block)]) * page_stride
     return int64(0)
+
+
+PAGE_SHIFT = PAGES.bit_length() - 1
+assert 1 << PAGE_SHIFT == PAGES
 
 
 @lru_cache(maxsize=None)
 def table_writer(slots, preloaded=False):
     """``write(blocks, pages, topk, causal_len, request, head, row, block_table,
-    page_stride, sparse_table, context_lens, lane)``: SPEC.md's paged sparse
-    block table of one ``(head, row)``, written by the lanes of one whole warp.
+    page_stride, sparse_table, context_lens, lane, stage)``: SPEC.md's paged
+    sparse block table of one ``(head, row)``, written by the lanes of one whole
+    warp.
 
     ``blocks`` is the lane's local array of ``slots`` merged block ids (or -1)
-    at positions ``e = lane * slots + s``; it is overwritten. ``pages``, a
+    at positions ``e = lane * slots + s``; it is left as it is. ``pages``, a
     local int64 array of ``slots``, gets each used block's first page; with
     ``preloaded`` it holds them already (``block_table[request, b] *
     page_stride``, read while the row was still being selected), and used
-    entries are not looked up again. A used full block's output slot is the
-    number of full blocks before it: an exclusive scan over the lanes
-    (butterfly, so it needs only xor shuffles); the tail block takes the slot
-    after the last full one.
-    """
+    entries are not looked up again. ``stage`` is a shared int64 array of at
+    least ``topk`` entries that only this warp uses.
 
-    store_slots = _slots_pages(slots)
+    A used full block's output slot is the number of full blocks before it: a
+    count of one vote per slot over the lanes; the tail block takes the slot
+    after the last full one. Each used slot's first page goes to ``stage`` at
+    its output slot, and the warp then writes the table row front to back,
+    ``WARP_LANES`` consecutive entries per store (a store per lane and slot of
+    eight scattered entries each would touch eight times the memory sectors).
+    """
 
     @inline_device
     def write_sparse_table(blocks, pages, topk, causal_len, request, head, row, block_table,
-                           page_stride, sparse_table, context_lens, lane):
+                           page_stride, sparse_table, context_lens, lane, stage):
         ctx_len = max(causal_len, 0)
         self_blk = (causal_len - 1) // SPARSE_BLOCK
         columns = block_table.shape[1]
-        # The page lookups go first, all in flight at once, and the scan runs
+        # The page lookups go first, all in flight at once, and the votes run
         # while they travel: they need only the block ids.
-        full = int64(0)
-        tail = int64(0)
+        before = int32(0)  # full blocks in lower lanes
+        n_full = int32(0)
+        tails = int32(0)
         for s in range(slots):
             e = lane * slots + s
             b = blocks[s]
-            if e < topk and ctx_len > 0 and 0 <= b <= self_blk and b < columns:
-                if not preloaded:
-                    pages[s] = block_table[request, b] * page_stride
-                if b < self_blk:
-                    full += 1
-                else:
-                    tail = 1
-        before = int64(0)  # full blocks in lower lanes
-        total = full
-        tails = tail
-        mask = 1
-        while mask < WARP_LANES:  # counts of at most 2048: one 32-bit shuffle each
-            other_total = lane_value(int32(total), lane, mask)
-            other_tails = lane_value(int32(tails), lane, mask)
-            if lane & mask:
-                before += other_total
-            total += other_total
-            tails |= other_tails
-            mask <<= 1
-        n_full = total
+            used = e < topk and ctx_len > 0 and 0 <= b <= self_blk and b < columns
+            if used and not preloaded:
+                pages[s] = block_table[uint64(request), uint64(b)] * page_stride
+            below, total = lanes_below(used and b < self_blk, lane)
+            before = int32(before + below)
+            n_full = int32(n_full + total)
+            _, tail = lanes_below(used and b == self_blk, lane)
+            tails = int32(tails + tail)
         n_used = n_full + tails
         if lane == 0:
+            length = min(n_used * SPARSE_BLOCK, ctx_len)
             if tails:
-                context_lens[head, row] = n_full * SPARSE_BLOCK + (ctx_len - self_blk * SPARSE_BLOCK)
-            else:
-                context_lens[head, row] = min(n_used * SPARSE_BLOCK, ctx_len)
+                length = n_full * SPARSE_BLOCK + (ctx_len - self_blk * SPARSE_BLOCK)
+            context_lens[uint64(head), uint64(row)] = length
         for s in range(slots):
             e = lane * slots + s
             b = blocks[s]
-            slot = int64(-1)
             if e < topk and ctx_len > 0 and 0 <= b <= self_blk and b < columns:
+                slot = n_full
                 if b < self_blk:
                     slot = before
-                    before += 1
-                else:
-                    slot = n_full
-            blocks[s] = slot
-        store_slots(blocks, pages, sparse_table, head, row, n_used, topk, lane)
+                    before = int32(before + 1)
+                stage[uint64(slot)] = pages[s]
+        warp_sync()
+        firsts = cuda.local.array(PAGES, int64)
+        for batch in range(slots):
+            # A batch's reads all go before its stores: the table is stored through a
+            # generic pointer, which may alias shared memory, so the compiler keeps
+            # every read after the store before it (one read's latency per store).
+            for k in range(PAGES):
+                used_slot = ((batch * PAGES + k) * WARP_LANES + lane) >> PAGE_SHIFT
+                firsts[k] = stage[uint64(used_slot)] if used_slot < n_used else int64(0)
+            for k in range(PAGES):
+                e = (batch * PAGES + k) * WARP_LANES + lane
+                used_slot = e >> PAGE_SHIFT
+                if used_slot < topk:
+                    page = int64(0)
+                    if used_slot < n_used:
+                        page = firsts[k] + (e & (PAGES - 1))
+                    sparse_table[uint64(head), uint64(row), uint64(e)] = page
 
     return write_sparse_table
-
-
-@lru_cache(maxsize=None)
-def _slot_pages(s, slots):
-    """Slot ``s``'s eight page ids (or zeros past the used entries), with ``s`` a
-    constant: the caller's slots are one call each, so ``blocks`` and ``pages``
-    keep constant indices even where the compiler would leave a loop over the
-    slots rolled (it did on AMD GPUs, putting both arrays in scratch)."""
-
-    @inline_device
-    def store(blocks, pages, sparse_table, head, row, n_used, topk, lane):
-        e = lane * slots + s
-        slot = blocks[s]
-        if slot >= 0:
-            for p in range(PAGES):
-                sparse_table[head, row, slot * PAGES + p] = pages[s] + p
-        if n_used <= e < topk:
-            for p in range(PAGES):
-                sparse_table[head, row, e * PAGES + p] = 0
-
-    return store
-
-
-@lru_cache(maxsize=None)
-def _slots_pages(slots):
-    """Every slot's pages: :func:`_slot_pages` of each slot, called in order
-    (generated as flat source, one call per slot)."""
-    names = [f"slot_{s}" for s in range(slots)]
-    body = "".join(f"    {name}(blocks, pages, sparse_table, head, row, n_used, topk, lane)\n"
-                   for name in names)
-    namespace = {name: _slot_pages(s, slots) for s, name in enumerate(names)}
-    exec(f"def store_slots(blocks, pages, sparse_table, head, row, n_used, topk, lane):\n"  # noqa: S102
-         f"{body}", namespace)
-    return inline_device(namespace["store_slots"])

@@ -19,7 +19,7 @@ numba-hip cannot return a local array from a device function.
 from functools import lru_cache
 from typing import Callable, NamedTuple
 
-from numba import float32, int64
+from numba import float32, int64, uint64
 
 from ..backend import cuda
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
@@ -107,7 +107,7 @@ def pack_kernel(sel):
                                  init_blocks, local_blocks, raw, v, t, acc, shared)
         for s in range(slots):
             if v[s] < topk:
-                out[head, row, v[s]] = acc[s]
+                out[uint64(head), uint64(row), uint64(v[s])] = acc[s]
 
     return _jit(shard_topk_keys, sel)
 
@@ -158,7 +158,7 @@ def _ids_writer(slots):
             block = merged_block(acc[s], e, kept)
             acc[s] = block
             if e < topk:
-                topk_idx[head, row, e] = block
+                topk_idx[uint64(head), uint64(row), uint64(e)] = block
 
     return write_ids
 
@@ -234,6 +234,7 @@ def select_table_kernel(sel):
     write_table = table_writer(sel.slots, preloaded=early_pages)
     shared_size = sel.shared_size
     slots = sel.slots
+    stage_size = WARP_LANES * slots
 
     @declare(*SELECT_TABLE_PARAMS)
     def global_topk_ids_and_table(scores, seq_lens, topk_idx, block_table, sparse_table,
@@ -244,6 +245,7 @@ def select_table_kernel(sel):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
+        stage = cuda.shared.array(stage_size, int64)
         prefetch(scores, shard_place(0, 1), scores.shape[2], raw)
         if early_pages:  # world 1: candidate i is block i, so its page needs no score
             request = quotient(int64(cuda.blockIdx.x), query_len)
@@ -256,7 +258,7 @@ def select_table_kernel(sel):
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             write_table(acc, t, topk_idx.shape[2], causal_len, request, head, row, block_table,
-                        page_stride, sparse_table, context_lens, lane)
+                        page_stride, sparse_table, context_lens, lane, stage)
 
     return _jit(global_topk_ids_and_table, sel)
 
@@ -274,7 +276,7 @@ def _merge_with_table(sel):
     @inline_device
     def merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
                          context_lens, query_len, init_blocks, local_blocks, page_stride, raw, v,
-                         t, acc, shared):
+                         t, acc, shared, stage):
         prefetch(keys, gathered_place(keys, first), world * keys.shape[3], raw)
         head, row, request, causal_len, valid_blocks, count, ctx = gathered_row(
             keys, first, world, seq_lens, query_len, init_blocks, local_blocks)
@@ -288,7 +290,7 @@ def _merge_with_table(sel):
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             write_table(acc, t, topk_idx.shape[2], causal_len, request, head, row, block_table,
-                        page_stride, sparse_table, context_lens, lane)
+                        page_stride, sparse_table, context_lens, lane, stage)
 
     return merge_with_table
 
@@ -317,6 +319,7 @@ def merge_table_kernel(sel):
     merge_with_table = _merge_with_table(sel)
     shared_size = sel.shared_size
     slots = sel.slots
+    stage_size = WARP_LANES * slots
 
     @declare(*MERGE_TABLE_PARAMS)
     def merge_topk_ids_and_table(keys, topk_idx, seq_lens, block_table, sparse_table,
@@ -327,9 +330,10 @@ def merge_table_kernel(sel):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
+        stage = cuda.shared.array(stage_size, int64)
         merge_with_table(keys, 0, keys.shape[0], topk_idx, seq_lens, block_table, sparse_table,
                          context_lens, query_len, init_blocks, local_blocks, page_stride, raw,
-                         v, t, acc, shared)
+                         v, t, acc, shared, stage)
 
     return _jit(merge_topk_ids_and_table, sel)
 
@@ -350,7 +354,7 @@ def _merge_keys_select(sel):
         select_top(keys, ctx, count, raw, v, t, acc, shared)
         for s in range(slots):
             if v[s] < topk:
-                out[head, row, v[s]] = acc[s]
+                out[uint64(head), uint64(row), uint64(v[s])] = acc[s]
 
     return merge_keys_select
 
@@ -428,6 +432,7 @@ def merge_delivered_table_kernel(sel):
     merge_with_table = _merge_with_table(sel)
     shared_size = sel.shared_size
     slots = sel.slots
+    stage_size = WARP_LANES * slots
 
     @declare(*MERGE_DELIVERED_TABLE_PARAMS)
     def merge_delivered_topk_ids_and_table(keys, topk_idx, seq_lens, ctrl, flags, errors,
@@ -441,9 +446,10 @@ def merge_delivered_table_kernel(sel):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
+        stage = cuda.shared.array(stage_size, int64)
         merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
                          context_lens, query_len, init_blocks, local_blocks, page_stride, raw,
-                         v, t, acc, shared)
+                         v, t, acc, shared, stage)
 
     return _jit(merge_delivered_topk_ids_and_table, sel)
 
