@@ -38,7 +38,7 @@ WARP_SLOTS = 2
 MERGE_SORT_ALL = 256
 # The rank kernels: the longest row they take (one key per thread and slot), and
 # the most threads a row gets.
-RANK_MAX_ROW = 2048
+RANK_MAX_ROW = 1024  # 3 shared int64 words per candidate: 24 KiB, inside CUDA's 48 KiB
 RANK_THREADS = 2 * TARGET.lanes if TARGET.simulator else 256
 # "auto" takes the rank kernels for launches of up to RANK_AUTO_ROWS rows of up to
 # RANK_AUTO_ROW candidates (see choose_method). A pack ranks its keys in chunks of
@@ -78,6 +78,9 @@ def choose_method(method, topk, candidates=None, rows=None):
     if method == "rank" and candidates is not None and candidates > RANK_MAX_ROW:
         raise ValueError(f"method='rank' handles rows of up to {RANK_MAX_ROW} candidates, got "
                          f"{candidates}; use method='warp', 'radix' or 'auto'")
+    if method == "rank" and _next_pow2(topk) > RANK_MAX_ROW:
+        raise ValueError(f"method='rank' handles topk <= {RANK_MAX_ROW}, got topk={topk}; use "
+                         f"method='warp', 'radix' or 'auto'")
     if method != "auto":
         return method
     if (candidates is not None and rows is not None and candidates <= RANK_AUTO_ROW
@@ -200,7 +203,7 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
             stream, else the default stream.
         method: ``"warp"`` (warps sort in registers; ``topk`` up to 16 keys
             per lane of a warp, 512 on NVIDIA), ``"rank"`` (a block counts
-            each key's place; rows of up to 2048 candidates), ``"radix"``
+            each key's place; rows of up to 1024 candidates), ``"radix"``
             (block radix select, any ``topk``) or ``"auto"`` (rank on small
             grids of short rows, else warp where it fits; see choose_method).
         threads, sort_limit: launch tuning. ``"warp"``: threads per row, a

@@ -77,11 +77,18 @@ PACK_CASES = [
 
 def test_rank_method_names_its_row_limit():
     """A shard row longer than the rank kernels hold is refused up front, not mis-ranked."""
-    long = dict(scores=to_device(np.zeros((1, 1, 2049), np.float32)),
-                seq_lens=to_device(np.full(1, 2049 * 128, np.int32)), world=1,
-                global_blocks=2049, out=to_device(np.zeros((1, 1, TOPK), np.int64)))
-    with pytest.raises(ValueError, match="method='rank' handles rows of up to 2048"):
+    long = dict(scores=to_device(np.zeros((1, 1, 1025), np.float32)),
+                seq_lens=to_device(np.full(1, 1025 * 128, np.int32)), world=1,
+                global_blocks=1025, out=to_device(np.zeros((1, 1, TOPK), np.int64)))
+    with pytest.raises(ValueError, match="method='rank' handles rows of up to 1024"):
         numba_cp.local_topk_keys(**pack_args(**long, method="rank"))
+
+
+def test_rank_method_names_its_topk_limit():
+    """A topk past what the rank kernels' shared memory holds is refused up front."""
+    wide = dict(out=to_device(np.zeros((H, T, 1025), np.int64)), topk=1025)
+    with pytest.raises(ValueError, match="method='rank' handles topk <= 1024"):
+        numba_cp.local_topk_keys(**pack_args(**wide, method="rank"))
 
 
 @pytest.mark.parametrize("change,error,name", PACK_CASES)

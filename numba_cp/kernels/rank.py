@@ -94,10 +94,13 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
     groups = run // group
 
     @inline_device
+    def candidate(s):
+        return s * threads + cuda.threadIdx.x  # a warp's loads are consecutive: they coalesce
+
+    @inline_device
     def prefetch(src, place, room, raw):
-        tid = cuda.threadIdx.x
         for s in range(slots):
-            i = s * threads + tid  # a warp's loads are consecutive: they coalesce
+            i = candidate(s)
             if i < room:
                 raw[s] = load(src, place, i)
 
@@ -106,12 +109,23 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
         """Keys above ``mine`` among ``shared[first:first + length]``, all of them
         compared (independent compares, so they issue back to back)."""
         bound = bits_as_float64(mine)  # one compare per key (see bits_as_float64)
-        above = int32(0)  # kept 32-bit (Numba would widen a sum to 64 bits)
-        for j in range(length):
+        # Four 32-bit partial counts: one running count would chain every compare's
+        # add on the one before (and Numba would widen a sum to 64 bits).
+        c0 = int32(0)
+        c1 = int32(0)
+        c2 = int32(0)
+        c3 = int32(0)
+        whole = length - (length & 3)
+        for j in range(0, whole, 4):
             # Unsigned indices: Numba wraps a signed one around for negative values.
-            if bits_as_float64(shared[first + uint64(j)]) > bound:
-                above = int32(above + 1)
-        return int64(above)
+            base = first + uint64(j)
+            c0 = int32(c0 + int32(bits_as_float64(shared[base]) > bound))
+            c1 = int32(c1 + int32(bits_as_float64(shared[base + uint64(1)]) > bound))
+            c2 = int32(c2 + int32(bits_as_float64(shared[base + uint64(2)]) > bound))
+            c3 = int32(c3 + int32(bits_as_float64(shared[base + uint64(3)]) > bound))
+        for j in range(whole, length):
+            c0 = int32(c0 + int32(bits_as_float64(shared[first + uint64(j)]) > bound))
+        return int64(int32(int32(c0 + c1) + int32(c2 + c3)))
 
     @inline_device
     def search_above(shared, first, mine):
@@ -121,17 +135,17 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
         last key of every group of ``group`` says how many whole groups lie
         above ``mine``, then the first group not wholly above is counted.
         """
-        whole = int64(0)
+        bound = bits_as_float64(mine)
+        whole = int32(0)
         for j in range(groups):
-            if shared[first + uint64(j * group + group - 1)] > mine:
-                whole += 1
-        partial = min(whole, groups - 1)  # past the last group: count the last one
+            whole = int32(whole + int32(
+                bits_as_float64(shared[first + uint64(j * group + group - 1)]) > bound))
+        partial = min(whole, int32(groups - 1))  # past the last group: count the last one
         base = first + uint64(partial * group)
-        above = partial * group + (whole - partial)
+        above = int32(partial * group + (whole - partial))
         for m in range(group - 1):
-            if shared[base + uint64(m)] > mine:
-                above += 1
-        return above
+            above = int32(above + int32(bits_as_float64(shared[base + uint64(m)]) > bound))
+        return int64(above)
 
     @inline_device
     def rank_in_chunks(shared, source, target, v, acc):
@@ -168,10 +182,21 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
             acc[s] = mine
 
     @inline_device
+    def rank_everything(shared, v, acc):
+        """Steps 2 and 3 over the keys at ``shared[0:capacity]``; returns the free
+        region of ``run`` entries (see ``lay_out``)."""
+        rank_in_chunks(shared, 0, capacity, v, acc)
+        if chunks > 1:
+            cuda.syncthreads()
+            place_in_runs(shared, capacity, v, acc)
+            return 0
+        return capacity
+
+    @inline_device
     def rank_topk(src, ctx, count, raw, v, t, acc, shared):
         tid = cuda.threadIdx.x
         for s in range(slots):
-            i = s * threads + tid
+            i = candidate(s)
             key = key_of(raw[s], ctx, i) if i < count else int64(0)
             shared[uint64(i)] = (key << TAG_BITS) | (_TAG_TOP - i)
             if warp_layout:  # a key may change threads on its way: its t waits here
@@ -190,18 +215,11 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
             place_in_runs(shared, 0, v, acc)
             free = capacity
             if block_any(disordered, shared[flag:flag + 1]):
-                rank_in_chunks(shared, 0, capacity, v, acc)
-                if chunks > 1:
-                    cuda.syncthreads()
-                    place_in_runs(shared, capacity, v, acc)
-                    free = 0
+                free = rank_everything(shared, v, acc)
         else:
-            rank_in_chunks(shared, 0, capacity, v, acc)
-            free = capacity
-            if chunks > 1:
-                cuda.syncthreads()
-                place_in_runs(shared, capacity, v, acc)
-                free = 0
+            free = rank_everything(shared, v, acc)
+        # The layout's loops stay here: numba-hip leaves a helper taking the
+        # register arrays as a call, and the arrays then go to scratch memory.
         if warp_layout:
             for s in range(slots):
                 if v[s] < run:

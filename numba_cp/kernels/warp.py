@@ -40,7 +40,7 @@ of every shape has no ``.local`` depot).
 
 from functools import lru_cache
 
-from numba import int64
+from numba import int64, uint64
 
 from ..backend import cuda
 from .primitives import WARP_LANES, inline_device, lane_exchange, lane_read, lanes_all
@@ -289,12 +289,12 @@ def make_warp_topk(load, key_of, run, slots, warps, presorted=False):
                 for s in range(slots):
                     e = lane * slots + s
                     if e < run:
-                        shared[warp * run + e] = acc[s]
+                        shared[uint64(warp * run + e)] = acc[s]
             cuda.syncthreads()
             if warp & (2 * stride - 1) == 0:
                 partner = (warp + stride) * run
                 for s in range(slots):  # the partner's run, read back to front
-                    t[s] = shared[partner + (((lane * slots + s) & (run - 1)) ^ (run - 1))]
+                    t[s] = shared[uint64(partner + (((lane * slots + s) & (run - 1)) ^ (run - 1)))]
                 keep_top(acc, v, t, lane)
             stride <<= 1
         for s in range(slots):
