@@ -27,9 +27,8 @@ NAME = TARGET.name
 if NAME != "sim":
     intrinsic, cgutils = _numba.intrinsic_api(NAME)
 
-__all__ = ["inline_device", "float_bits", "bits_as_float64", "shared_atomic_add", "WARP_LANES",
-           "lane_exchange", "lane_value", "lane_read", "lanes_all", "lanes_below", "warp_sync",
-           "block_any", "flag_load", "flag_store",
+__all__ = ["inline_device", "float_bits", "bits_as_float64", "shared_atomic_add", "WARP_LANES", "lane_exchange",
+           "lane_value", "lane_read", "lanes_all", "block_any", "flag_load", "flag_store",
            "fence_system", "spin_pause", "clock_ns", "ctrl_add", "ctrl_cas"]
 
 
@@ -253,111 +252,6 @@ else:  # numba-hip has no warp votes (and the simulator none): a butterfly of sh
             every &= lane_value(every, lane, mask)
             mask <<= 1
         return every != 0
-
-
-# Prefix counts of a flag over the lanes: where each lane's item goes when the
-# flagged items of a warp are packed together (the rank family's survivors, the
-# sparse table's full blocks). One vote on CUDA and AMD instead of a butterfly of
-# log2(lanes) dependent shuffles.
-if NAME == "cuda":
-
-    @cuda.jit(device=True, inline=True)
-    def lanes_below(flag, lane):
-        """``(below, total)``: lanes below ``lane`` whose ``flag`` holds, and all
-        lanes whose ``flag`` holds (every lane of the warp must call it)."""
-        votes = cuda.ballot_sync(FULL_MASK, flag)
-        return int32(cuda.popc(votes & cuda.lanemask_lt())), int32(cuda.popc(votes))
-
-    @cuda.jit(device=True, inline=True)
-    def warp_sync():
-        """Shared-memory writes of the warp's lanes are seen by all of them after it."""
-        cuda.syncwarp(FULL_MASK)
-
-elif NAME == "hip":
-
-    @intrinsic
-    def _ballot(typingctx, flag):
-        if flag != types.boolean:
-            return None
-
-        def codegen(context, builder, sig, args):
-            word = ir.IntType(64)
-            ballot = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(word, [ir.IntType(1)]), "llvm.amdgcn.ballot.i64")
-            return builder.call(ballot, [args[0]])
-
-        return types.int64(flag), codegen
-
-    @intrinsic
-    def _lanes_below_in(typingctx, votes):
-        """Set bits of ``votes`` below this lane (mbcnt, the AMD lane prefix count)."""
-        if votes != types.int64:
-            return None
-
-        def codegen(context, builder, sig, args):
-            word = ir.IntType(32)
-            kind = ir.FunctionType(word, [word, word])
-            low = cgutils.get_or_insert_function(builder.module, kind, "llvm.amdgcn.mbcnt.lo")
-            high = cgutils.get_or_insert_function(builder.module, kind, "llvm.amdgcn.mbcnt.hi")
-            votes = args[0]
-            part = builder.call(low, [builder.trunc(votes, word), ir.Constant(word, 0)])
-            upper = builder.trunc(builder.lshr(votes, ir.Constant(votes.type, 32)), word)
-            return builder.sext(builder.call(high, [upper, part]), ir.IntType(64))
-
-        return types.int64(votes), codegen
-
-    @intrinsic
-    def _popcount(typingctx, votes):
-        if votes != types.int64:
-            return None
-
-        def codegen(context, builder, sig, args):
-            word = ir.IntType(64)
-            count = cgutils.get_or_insert_function(builder.module,
-                                                   ir.FunctionType(word, [word]), "llvm.ctpop.i64")
-            return builder.call(count, [args[0]])
-
-        return types.int64(votes), codegen
-
-    @intrinsic
-    def _wave_barrier(typingctx):
-        def codegen(context, builder, sig, args):
-            barrier = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.amdgcn.wave.barrier")
-            builder.call(barrier, [])
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    @cuda.jit(device=True, inline=True)
-    def lanes_below(flag, lane):
-        """``(below, total)``: lanes below ``lane`` whose ``flag`` holds, and all
-        lanes whose ``flag`` holds (every lane of the wavefront must call it)."""
-        votes = _ballot(flag)
-        return int32(_lanes_below_in(votes)), int32(_popcount(votes))
-
-    @cuda.jit(device=True, inline=True)
-    def warp_sync():
-        """Shared-memory writes of the wavefront's lanes are seen by all of them after
-        it: a wavefront's LDS accesses complete in order, so this only keeps the
-        compiler from moving accesses across it (HIP's ``__syncwarp``)."""
-        _wave_barrier()
-
-else:
-
-    def lanes_below(flag, lane):
-        """``(below, total)``: lanes below ``lane`` whose ``flag`` holds, and all
-        lanes whose ``flag`` holds (every lane of the warp must call it)."""
-        box = _mailbox()
-        box.values[lane] = 1 if flag else 0
-        box.barrier.wait()
-        below, total = sum(box.values[:lane]), sum(box.values)
-        box.barrier.wait()
-        return np.int32(below), np.int32(total)
-
-    def warp_sync():
-        """Shared-memory writes of the warp's lanes are seen by all of them after it."""
-        _mailbox().barrier.wait()
 
 
 # A block barrier that also votes (the rank family's check that sorted runs are).

@@ -29,7 +29,7 @@ from ..backend import cuda
 from ..constants import KEY_VALID_BIT
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
 from .params import declare
-from .primitives import WARP_LANES, shared_atomic_add, warp_sync
+from .primitives import WARP_LANES, shared_atomic_add
 from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
                    MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
@@ -313,9 +313,8 @@ def _ids_table_writer(capacity):
             for s in range(slots):
                 e = lane * slots + s
                 blocks[s] = sel[e] if e < topk else int64(-1)
-            warp_sync()  # sel's first entries become the table writer's stage
             write_table(blocks, pages, topk, causal_len, request, head, row, block_table,
-                        page_stride, sparse_table, context_lens, lane, sel)
+                        page_stride, sparse_table, context_lens, lane)
 
     return write_ids_table
 

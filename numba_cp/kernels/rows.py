@@ -16,7 +16,7 @@ from ..constants import PAGES, SPARSE_BLOCK
 from .ipc import PEER_SLOTS
 from .keys import causal_len_of, quotient, repin_key, score_key, valid_blocks_of
 from .params import INTEGER, Array, scalars
-from .primitives import WARP_LANES, float_bits, inline_device, lanes_below, warp_sync
+from .primitives import WARP_LANES, float_bits, inline_device, lane_value
 
 __all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARAMS",
            "SELECT_PARAMS", "SELECT_TABLE_PARAMS", "PACK_TO_PEERS_PARAMS", "whole_row",
@@ -213,86 +213,109 @@ def page_of(block, request, block_table, page_stride):
     return int64(0)
 
 
-PAGE_SHIFT = PAGES.bit_length() - 1
-assert 1 << PAGE_SHIFT == PAGES
-
-
 @lru_cache(maxsize=None)
 def table_writer(slots, preloaded=False):
     """``write(blocks, pages, topk, causal_len, request, head, row, block_table,
-    page_stride, sparse_table, context_lens, lane, stage)``: SPEC.md's paged
-    sparse block table of one ``(head, row)``, written by the lanes of one whole
-    warp.
+    page_stride, sparse_table, context_lens, lane)``: SPEC.md's paged sparse
+    block table of one ``(head, row)``, written by the lanes of one whole warp.
 
     ``blocks`` is the lane's local array of ``slots`` merged block ids (or -1)
-    at positions ``e = lane * slots + s``; it is left as it is. ``pages``, a
+    at positions ``e = lane * slots + s``; it is overwritten. ``pages``, a
     local int64 array of ``slots``, gets each used block's first page; with
     ``preloaded`` it holds them already (``block_table[request, b] *
     page_stride``, read while the row was still being selected), and used
-    entries are not looked up again. ``stage`` is a shared int64 array of at
-    least ``topk`` entries that only this warp uses.
-
-    A used full block's output slot is the number of full blocks before it: a
-    count of one vote per slot over the lanes; the tail block takes the slot
-    after the last full one. Each used slot's first page goes to ``stage`` at
-    its output slot, and the warp then writes the table row front to back,
-    ``WARP_LANES`` consecutive entries per store (a store per lane and slot of
-    eight scattered entries each would touch eight times the memory sectors).
+    entries are not looked up again. A used full block's output slot is the
+    number of full blocks before it: an exclusive scan over the lanes
+    (butterfly, so it needs only xor shuffles); the tail block takes the slot
+    after the last full one.
     """
+
+    store_slots = _slots_pages(slots)
 
     @inline_device
     def write_sparse_table(blocks, pages, topk, causal_len, request, head, row, block_table,
-                           page_stride, sparse_table, context_lens, lane, stage):
+                           page_stride, sparse_table, context_lens, lane):
         ctx_len = max(causal_len, 0)
         self_blk = (causal_len - 1) // SPARSE_BLOCK
         columns = block_table.shape[1]
-        # The page lookups go first, all in flight at once, and the votes run
+        # The page lookups go first, all in flight at once, and the scan runs
         # while they travel: they need only the block ids.
-        before = int32(0)  # full blocks in lower lanes
-        n_full = int32(0)
-        tails = int32(0)
-        for s in range(slots):
-            e = lane * slots + s
-            b = blocks[s]
-            used = e < topk and ctx_len > 0 and 0 <= b <= self_blk and b < columns
-            if used and not preloaded:
-                pages[s] = block_table[uint64(request), uint64(b)] * page_stride
-            below, total = lanes_below(used and b < self_blk, lane)
-            before = int32(before + below)
-            n_full = int32(n_full + total)
-            _, tail = lanes_below(used and b == self_blk, lane)
-            tails = int32(tails + tail)
-        n_used = n_full + tails
-        if lane == 0:
-            length = min(n_used * SPARSE_BLOCK, ctx_len)
-            if tails:
-                length = n_full * SPARSE_BLOCK + (ctx_len - self_blk * SPARSE_BLOCK)
-            context_lens[uint64(head), uint64(row)] = length
+        full = int64(0)
+        tail = int64(0)
         for s in range(slots):
             e = lane * slots + s
             b = blocks[s]
             if e < topk and ctx_len > 0 and 0 <= b <= self_blk and b < columns:
-                slot = n_full
+                if not preloaded:
+                    pages[s] = block_table[request, b] * page_stride
+                if b < self_blk:
+                    full += 1
+                else:
+                    tail = 1
+        before = int64(0)  # full blocks in lower lanes
+        total = full
+        tails = tail
+        mask = 1
+        while mask < WARP_LANES:  # counts of at most 2048: one 32-bit shuffle each
+            other_total = lane_value(int32(total), lane, mask)
+            other_tails = lane_value(int32(tails), lane, mask)
+            if lane & mask:
+                before += other_total
+            total += other_total
+            tails |= other_tails
+            mask <<= 1
+        n_full = total
+        n_used = n_full + tails
+        if lane == 0:
+            if tails:
+                context_lens[head, row] = n_full * SPARSE_BLOCK + (ctx_len - self_blk * SPARSE_BLOCK)
+            else:
+                context_lens[head, row] = min(n_used * SPARSE_BLOCK, ctx_len)
+        for s in range(slots):
+            e = lane * slots + s
+            b = blocks[s]
+            slot = int64(-1)
+            if e < topk and ctx_len > 0 and 0 <= b <= self_blk and b < columns:
                 if b < self_blk:
                     slot = before
-                    before = int32(before + 1)
-                stage[uint64(slot)] = pages[s]
-        warp_sync()
-        firsts = cuda.local.array(PAGES, int64)
-        for batch in range(slots):
-            # A batch's reads all go before its stores: the table is stored through a
-            # generic pointer, which may alias shared memory, so the compiler keeps
-            # every read after the store before it (one read's latency per store).
-            for k in range(PAGES):
-                used_slot = ((batch * PAGES + k) * WARP_LANES + lane) >> PAGE_SHIFT
-                firsts[k] = stage[uint64(used_slot)] if used_slot < n_used else int64(0)
-            for k in range(PAGES):
-                e = (batch * PAGES + k) * WARP_LANES + lane
-                used_slot = e >> PAGE_SHIFT
-                if used_slot < topk:
-                    page = int64(0)
-                    if used_slot < n_used:
-                        page = firsts[k] + (e & (PAGES - 1))
-                    sparse_table[uint64(head), uint64(row), uint64(e)] = page
+                    before += 1
+                else:
+                    slot = n_full
+            blocks[s] = slot
+        store_slots(blocks, pages, sparse_table, head, row, n_used, topk, lane)
 
     return write_sparse_table
+
+
+@lru_cache(maxsize=None)
+def _slot_pages(s, slots):
+    """Slot ``s``'s eight page ids (or zeros past the used entries), with ``s`` a
+    constant: the caller's slots are one call each, so ``blocks`` and ``pages``
+    keep constant indices even where the compiler would leave a loop over the
+    slots rolled (it did on AMD GPUs, putting both arrays in scratch)."""
+
+    @inline_device
+    def store(blocks, pages, sparse_table, head, row, n_used, topk, lane):
+        e = lane * slots + s
+        slot = blocks[s]
+        if slot >= 0:
+            for p in range(PAGES):
+                sparse_table[head, row, slot * PAGES + p] = pages[s] + p
+        if n_used <= e < topk:
+            for p in range(PAGES):
+                sparse_table[head, row, e * PAGES + p] = 0
+
+    return store
+
+
+@lru_cache(maxsize=None)
+def _slots_pages(slots):
+    """Every slot's pages: :func:`_slot_pages` of each slot, called in order
+    (generated as flat source, one call per slot)."""
+    names = [f"slot_{s}" for s in range(slots)]
+    body = "".join(f"    {name}(blocks, pages, sparse_table, head, row, n_used, topk, lane)\n"
+                   for name in names)
+    namespace = {name: _slot_pages(s, slots) for s, name in enumerate(names)}
+    exec(f"def store_slots(blocks, pages, sparse_table, head, row, n_used, topk, lane):\n"  # noqa: S102
+         f"{body}", namespace)
+    return inline_device(namespace["store_slots"])

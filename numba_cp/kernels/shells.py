@@ -234,7 +234,6 @@ def select_table_kernel(sel):
     write_table = table_writer(sel.slots, preloaded=early_pages)
     shared_size = sel.shared_size
     slots = sel.slots
-    stage_size = WARP_LANES * slots
 
     @declare(*SELECT_TABLE_PARAMS)
     def global_topk_ids_and_table(scores, seq_lens, topk_idx, block_table, sparse_table,
@@ -245,7 +244,6 @@ def select_table_kernel(sel):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
-        stage = cuda.shared.array(stage_size, int64)
         prefetch(scores, shard_place(0, 1), scores.shape[2], raw)
         if early_pages:  # world 1: candidate i is block i, so its page needs no score
             request = quotient(int64(cuda.blockIdx.x), query_len)
@@ -258,7 +256,7 @@ def select_table_kernel(sel):
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             write_table(acc, t, topk_idx.shape[2], causal_len, request, head, row, block_table,
-                        page_stride, sparse_table, context_lens, lane, stage)
+                        page_stride, sparse_table, context_lens, lane)
 
     return _jit(global_topk_ids_and_table, sel)
 
@@ -276,7 +274,7 @@ def _merge_with_table(sel):
     @inline_device
     def merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
                          context_lens, query_len, init_blocks, local_blocks, page_stride, raw, v,
-                         t, acc, shared, stage):
+                         t, acc, shared):
         prefetch(keys, gathered_place(keys, first), world * keys.shape[3], raw)
         head, row, request, causal_len, valid_blocks, count, ctx = gathered_row(
             keys, first, world, seq_lens, query_len, init_blocks, local_blocks)
@@ -290,7 +288,7 @@ def _merge_with_table(sel):
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
             write_table(acc, t, topk_idx.shape[2], causal_len, request, head, row, block_table,
-                        page_stride, sparse_table, context_lens, lane, stage)
+                        page_stride, sparse_table, context_lens, lane)
 
     return merge_with_table
 
@@ -319,7 +317,6 @@ def merge_table_kernel(sel):
     merge_with_table = _merge_with_table(sel)
     shared_size = sel.shared_size
     slots = sel.slots
-    stage_size = WARP_LANES * slots
 
     @declare(*MERGE_TABLE_PARAMS)
     def merge_topk_ids_and_table(keys, topk_idx, seq_lens, block_table, sparse_table,
@@ -330,10 +327,9 @@ def merge_table_kernel(sel):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
-        stage = cuda.shared.array(stage_size, int64)
         merge_with_table(keys, 0, keys.shape[0], topk_idx, seq_lens, block_table, sparse_table,
                          context_lens, query_len, init_blocks, local_blocks, page_stride, raw,
-                         v, t, acc, shared, stage)
+                         v, t, acc, shared)
 
     return _jit(merge_topk_ids_and_table, sel)
 
@@ -432,7 +428,6 @@ def merge_delivered_table_kernel(sel):
     merge_with_table = _merge_with_table(sel)
     shared_size = sel.shared_size
     slots = sel.slots
-    stage_size = WARP_LANES * slots
 
     @declare(*MERGE_DELIVERED_TABLE_PARAMS)
     def merge_delivered_topk_ids_and_table(keys, topk_idx, seq_lens, ctrl, flags, errors,
@@ -446,10 +441,9 @@ def merge_delivered_table_kernel(sel):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
-        stage = cuda.shared.array(stage_size, int64)
         merge_with_table(keys, first, world, topk_idx, seq_lens, block_table, sparse_table,
                          context_lens, query_len, init_blocks, local_blocks, page_stride, raw,
-                         v, t, acc, shared, stage)
+                         v, t, acc, shared)
 
     return _jit(merge_delivered_topk_ids_and_table, sel)
 
