@@ -118,6 +118,19 @@ def compiled_function(dispatcher, args):
     return cufunc.handle, cufunc.kernel
 
 
+def max_threads_per_block(dispatcher, args):
+    """The most threads per block the compiled specialisation ``args`` launches with
+    (its registers decide), or None where that cannot be read.
+
+    Reads ``dispatcher.overloads`` and the kernel's ``max_threads_per_block``.
+    """
+    try:
+        argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
+        return int(dispatcher.overloads[argtypes].max_threads_per_block)
+    except Exception:  # noqa: BLE001 - an internal moved: no limit to report
+        return None
+
+
 def flattened_array_fields(device_array):
     """Numba's flattened array parameter: meminfo, parent, size, itemsize, data, shape, strides.
 

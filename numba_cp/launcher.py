@@ -198,7 +198,11 @@ class KernelLaunch:
             self.kernel[self.grid, self.block](*args)
             return None
         stream = resolve_stream(stream, objects[0])
-        self.kernel[self.grid, self.block, stream](*args)
+        try:
+            self.kernel[self.grid, self.block, stream](*args)
+        except Exception as exc:
+            self._name_block_limit(args, exc)
+            raise
         if not self._direct_failed:
             try:
                 self._direct = _DirectLaunch(self, args)
@@ -206,6 +210,26 @@ class KernelLaunch:
                 self._direct_failed = True
                 _numba.warn_fallback(exc)
         return None
+
+    def _name_block_limit(self, args, exc):
+        """A first launch that failed asked for more threads per block than the compiled
+        kernel's registers allow: say so, naming the launch's ``threads``."""
+        if TARGET.name != "cuda":
+            return
+        error = block_limit_error(self.block, _numba.max_threads_per_block(self.kernel, args),
+                                  _numba.kernel_py_func(self.kernel).__name__)
+        if error is not None:
+            raise error from exc
+
+
+def block_limit_error(block, limit, kernel_name):
+    """The ValueError for a launch of ``block`` threads per block (an int or a tuple)
+    where the compiled kernel takes at most ``limit`` (None: unknown), or None."""
+    threads = int(np.prod(block if isinstance(block, tuple) else (block,)))
+    if limit is None or threads <= limit:
+        return None
+    return ValueError(f"threads: {threads} threads per block, but the compiled {kernel_name} "
+                      f"launches with at most {limit} (its registers); pass threads <= {limit}")
 
 
 class _DirectLaunch:

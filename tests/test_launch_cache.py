@@ -189,3 +189,32 @@ def test_direct_launch_fallback_warns_once_naming_the_attribute(monkeypatch, fre
     assert f"AttributeError: {missing}" in str(fallbacks[0].message)
     launches = [*ops._PACK_LAUNCHES.values(), *ops._MERGE_LAUNCHES.values()]
     assert not any(launch.direct for launch in launches)
+
+
+# Launch shapes the host picks, and that each kernel is compiled for (its launch bounds).
+SHAPES = [dict(topk=16, candidates=64, merge=False), dict(topk=16, candidates=256, merge=False),
+          dict(topk=32, candidates=128, merge=True), dict(topk=64, candidates=512, merge=False),
+          dict(topk=128, candidates=2048, merge=True), dict(topk=5, candidates=40, merge=True)]
+
+
+@pytest.mark.parametrize("method,threads", [("warp", None), ("warp", 4 * TARGET.lanes),
+                                            ("rank", None), ("rank", 2 * TARGET.lanes)])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "{topk}-{candidates}-{merge}".format(**s))
+def test_kernels_are_compiled_for_the_block_they_launch_with(shape, method, threads):
+    """The warp and rank kernels carry their block size (CUDA's launch bounds, which cap
+    their registers): it must be the block the host launches them with."""
+    if method == "rank" and shape["candidates"] > ops.RANK_MAX_ROW:
+        pytest.skip("a row longer than the rank kernels take")
+    family, kernel_shape, block = ops._family(shape["topk"], shape["candidates"], method,
+                                              threads, None, merge=shape["merge"], rows=64)
+    assert family.selection(*kernel_shape).threads == block
+    if threads is not None:
+        assert block == threads
+
+
+def test_a_block_past_the_compiled_kernels_limit_is_named():
+    error = launcher.block_limit_error(1024, 640, "merge_topk_ids_and_table_warp")
+    assert isinstance(error, ValueError)
+    assert "threads: 1024 threads per block" in str(error) and "threads <= 640" in str(error)
+    assert launcher.block_limit_error((256,), 640, "k") is None
+    assert launcher.block_limit_error(1024, None, "k") is None

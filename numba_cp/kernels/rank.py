@@ -94,13 +94,10 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
     groups = run // group
 
     @inline_device
-    def candidate(s):
-        return s * threads + cuda.threadIdx.x  # a warp's loads are consecutive: they coalesce
-
-    @inline_device
     def prefetch(src, place, room, raw):
+        tid = cuda.threadIdx.x
         for s in range(slots):
-            i = candidate(s)
+            i = s * threads + tid  # a warp's loads are consecutive: they coalesce
             if i < room:
                 raw[s] = load(src, place, i)
 
@@ -183,8 +180,8 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
 
     @inline_device
     def rank_everything(shared, v, acc):
-        """Steps 2 and 3 over the keys at ``shared[0:capacity]``; returns the free
-        region of ``run`` entries (see ``lay_out``)."""
+        """Steps 2 and 3 over the keys at ``shared[0:capacity]``; returns where a
+        region of ``run`` entries is free for the warp layout."""
         rank_in_chunks(shared, 0, capacity, v, acc)
         if chunks > 1:
             cuda.syncthreads()
@@ -196,7 +193,7 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
     def rank_topk(src, ctx, count, raw, v, t, acc, shared):
         tid = cuda.threadIdx.x
         for s in range(slots):
-            i = candidate(s)
+            i = s * threads + tid
             key = key_of(raw[s], ctx, i) if i < count else int64(0)
             shared[uint64(i)] = (key << TAG_BITS) | (_TAG_TOP - i)
             if warp_layout:  # a key may change threads on its way: its t waits here
@@ -218,8 +215,9 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
                 free = rank_everything(shared, v, acc)
         else:
             free = rank_everything(shared, v, acc)
-        # The layout's loops stay here: numba-hip leaves a helper taking the
-        # register arrays as a call, and the arrays then go to scratch memory.
+        # The layout's loops are written out here: as device functions of their own
+        # they put the register arrays in scratch memory on AMD (24 B at run=32,
+        # slots=2 in the HIP compile check).
         if warp_layout:
             for s in range(slots):
                 if v[s] < run:
@@ -253,7 +251,7 @@ def selection(run, slots, threads, chunk):
     def candidate(s):
         return s * threads + cuda.threadIdx.x
 
-    return Selection(make, slots, 3 * threads * slots + 1 + run, "rank", candidate)
+    return Selection(make, slots, 3 * threads * slots + 1 + run, "rank", candidate, threads)
 
 
 # Kernel factories: ``pack_kernel(run, slots, threads, chunk)`` and so on (kernels/shells.py).

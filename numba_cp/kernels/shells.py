@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 
 from numba import float32, int64, uint64
 
-from ..backend import cuda
+from ..backend import TARGET, cuda
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
 from .keys import quotient
 from .params import declare
@@ -54,6 +54,7 @@ class Selection(NamedTuple):
     index of the thread's slot ``s`` of ``raw``, for a family whose
     ``warp_layout`` carries each candidate's ``t[s]`` along with its key: the
     table kernels then read every candidate's page while the row is selected.
+    ``threads``: the block every kernel of this shape is launched with.
     """
 
     make: Callable
@@ -61,15 +62,28 @@ class Selection(NamedTuple):
     shared_size: int
     family: str
     candidate: Callable = None
+    threads: int = 0
+
+
+# CUDA is told each kernel's block size (launch bounds), so that it never gives a
+# thread more registers than a block of that size can hold: a 1024-thread block
+# would otherwise fail to launch as soon as a kernel needs over 64 registers.
+if TARGET.name == "cuda":
+
+    def _kernel_options(sel):
+        return {"launch_bounds": sel.threads} if sel.threads else {}
+
+else:  # the simulator takes no launch bounds, and numba-hip is not given any
+
+    def _kernel_options(sel):
+        return {}
 
 
 def _jit(fn, sel):
     """``fn`` compiled as a kernel named for its family (profiles and compile
     checks tell the families apart by name)."""
     fn.__name__ = fn.__qualname__ = f"{fn.__name__}_{sel.family}"
-    return cuda.jit(fn)
-
-
+    return cuda.jit(**_kernel_options(sel))(fn)
 
 
 @lru_cache(maxsize=None)

@@ -310,7 +310,7 @@ def selection(run, slots, warps):
     def make(load, key_of, presorted=False, warp_layout=False):
         return make_warp_topk(load, key_of, run, slots, warps, presorted)
 
-    return Selection(make, slots, warps * run, "warp")
+    return Selection(make, slots, warps * run, "warp", threads=warps * WARP_LANES)
 
 
 # Kernel factories: ``pack_kernel(run, slots, warps)`` and so on (kernels/shells.py).
