@@ -27,12 +27,12 @@ from functools import lru_cache
 import numpy as np
 
 from . import _numba, _torch, kernel_cache
-from .arrays import (FixedView, as_kernel_array, default_stream_for, resolve_stream,
-                     with_leading_axis)
+from .arrays import FixedView, as_kernel_array, resolve_stream, with_leading_axis
 from .backend import TARGET
 from .kernels.params import Array
 
-__all__ = ["array_signature", "call_signature", "context_token", "KernelLaunch", "LaunchCache"]
+__all__ = ["array_signature", "call_signature", "context_token", "KernelLaunch", "LaunchCache",
+           "block_limit_error"]
 
 _MAX_CACHED = 4096
 
@@ -269,21 +269,9 @@ class _DirectLaunch:
         self.dims = grid + tuple(block) + (1,) * (3 - len(block))
         self.lock = threading.Lock()  # the parameter block is shared by calls
         self.use_driver = True
-        self.last_stream = (None, None)  # (what the caller gave, resolved): see _resolved
-
-    def _resolved(self, stream, like):
-        """:func:`resolve_stream`, remembered for the last stream given (the same
-        CuPy stream object, or PyTorch's same raw handle, call after call)."""
-        given = default_stream_for(like) if stream is None else stream
-        last, resolved = self.last_stream
-        if given is last or (type(given) is int and type(last) is int and given == last):
-            return resolved
-        resolved = resolve_stream(given)
-        self.last_stream = (given, resolved)
-        return resolved
 
     def __call__(self, objects, stream, pointers=None):
-        stream = self._resolved(stream, objects[0])
+        stream = resolve_stream(stream, objects[0])
         with self.lock:
             for slot, i in self.pointer_slots:
                 self.values[slot] = (pointers[i] if pointers is not None
