@@ -67,7 +67,10 @@ def choose_method(method, topk, candidates=None, rows=None):
     every case (topk 16 to 128); the rank kernels beat the warp kernels by
     0.02-0.46 us on launches of 64-256 rows of 64-256 candidates (cases a, b,
     g) and lost by 0.1-1.7 us on 1024 rows (c, f), where a row's many threads
-    compete for the GPU's issue slots.
+    compete for the GPU's issue slots. Re-measured on 2026-12-04 with the
+    cheaper compares (BENCHMARKS.md, "Small rows, 2026-12-04"): rank still
+    led on a and b (packs 2.09 and 2.77 against 2.39 and 2.91 us, merges
+    1.89-1.90 against 2.07-2.09) and g, warp on c, d and f.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
