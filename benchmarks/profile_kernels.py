@@ -9,7 +9,9 @@
 pack and merge of each case beside probes with the pack's grid and one
 warp per row: loads independent of seq_lens (``floor_indep``: bench_kernels.py's
 floor probe), score loads that wait for seq_lens (``floor_dep``), and the same after
-two int64 divisions (``floor_div64``); and with blocks of 64 and 128 threads that
+two int64 divisions (``floor_div64``); the floor with a parameter block about
+as large as the merge + table kernel's, seven more 3-D arrays and four scalars
+(``floor_wide``); and with blocks of 64 and 128 threads that
 trade their loads through shared memory across one barrier (``floor_barrier64``,
 ``floor_barrier128``), as the rank kernels' blocks do. Their differences price a
 dependent memory round trip, a division chain and a block barrier in the kernels'
@@ -84,14 +86,25 @@ def probe_kernels():
         if tid < out.shape[2]:
             out[head, row, tid] = shared[(tid + 1) % cuda.blockDim.x]
 
-    return floor_kernel(), floor_dep, floor_div64, floor_barrier
+    @cuda.jit
+    def floor_wide(scores, seq_lens, out, x1, x2, x3, x4, x5, x6, x7, s1, s2, s3, s4):
+        # The floor's work with about the merge + table kernel's parameter block
+        # (Numba passes a 3-D array as 11 words): what the block itself costs.
+        row = cuda.blockIdx.x
+        head = cuda.blockIdx.y
+        lane = cuda.threadIdx.x
+        n = seq_lens[row]
+        if lane < scores.shape[2] and lane < out.shape[2]:
+            out[head, row, lane] = int(scores[head, row, lane] > 0) + n
+
+    return floor_kernel(), floor_dep, floor_div64, floor_barrier, floor_wide
 
 
 def probes(cases):
     import cupy
     from numba import cuda
 
-    floor_indep, floor_dep, floor_div64, floor_barrier = probe_kernels()
+    floor_indep, floor_dep, floor_div64, floor_barrier, floor_wide = probe_kernels()
     for name in cases:
         pack, merge, table_on, shard, seq_lens, out = build(name)
         stream = cupy.cuda.Stream(non_blocking=True)
@@ -114,6 +127,10 @@ def probes(cases):
                     lambda s: floor_barrier[grid, threads, numba_stream](shard, seq_lens,
                                                                          probe_out),
                     stream, 50, 20)
+            wide = (shard,) * 7 + (1, 2, 3, 4)
+            row["floor_wide"] = device_us(
+                lambda s: floor_wide[grid, 32, numba_stream](shard, seq_lens, probe_out, *wide),
+                stream, 50, 20)
             row["floor_div64"] = device_us(
                 lambda s: floor_div64[grid, 32, numba_stream](shard, seq_lens, probe_out, 1),
                 stream, 50, 20)
