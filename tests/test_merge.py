@@ -132,6 +132,24 @@ def test_wide_gather_radix_path(launch):
     run_merge(gathered_keys(case, 24), case, table=block_table(rng, case), **launch)
 
 
+@pytest.mark.parametrize("width", [1000, 1024, 1025, 1100, 1500])
+def test_sparse_table_from_block_tables_around_a_thousand_columns(width):
+    """Rows of 1100 blocks against block tables narrower and wider than 1024
+    columns, around the row a merge + table block may hold in shared memory: the
+    chosen blocks near and past the table's last column must get the oracle's
+    pages (and a block past it none)."""
+    rng = np.random.default_rng(34)
+    scores = rng.standard_normal((1, 2, 1100)).astype(np.float32)
+    scores[..., 990:] += 3.0  # the top blocks sit around the tables' last columns
+    scores[..., [999, 1000, 1023, 1024, 1099]] += 6.0
+    case = Case(scores, np.array([1100 * 128, 1030 * 128 + 5], np.int32), world=4, topk=16,
+                query_len=1, global_blocks=1100, init_blocks=1, local_blocks=2)
+    keys = gathered_keys(case, case.topk)
+    table = block_table(rng, case, width=width)
+    for launch in (dict(method="rank"), dict(method="warp"), dict(method="radix")):
+        run_merge(keys, case, table=table, **launch)
+
+
 @pytest.mark.parametrize("swap", [None, (0, 1), (1, 2), (15, 16), (30, 31)])
 def test_sorted_gather_fast_path_and_its_check(swap):
     """Gathered runs already in order skip the sort; one pair out of order must not.
