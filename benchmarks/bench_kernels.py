@@ -126,7 +126,7 @@ def floor_kernel():
     if not _FLOOR:
         from numba import cuda
 
-        @cuda.jit
+        @cuda.jit(device=True, inline=True)
         def read_row_write_row(scores, seq_lens, out):
             row = cuda.blockIdx.x
             head = cuda.blockIdx.y
@@ -135,8 +135,19 @@ def floor_kernel():
             if lane < scores.shape[2] and lane < out.shape[2]:
                 out[head, row, lane] = int(scores[head, row, lane] > 0) + n
 
-        _FLOOR.append(read_row_write_row)
+        @cuda.jit
+        def floor(scores, seq_lens, out):
+            read_row_write_row(scores, seq_lens, out)
+
+        _FLOOR.extend((floor, read_row_write_row))
     return _FLOOR[0]
+
+
+def floor_row():
+    """The floor probe's work as an inlined device function, for probes that
+    wrap it in kernels of other signatures."""
+    floor_kernel()
+    return _FLOOR[1]
 
 
 def eager_us(call, stream, calls):

@@ -28,7 +28,7 @@ import argparse
 import sys
 
 import numba_cp
-from bench_kernels import CASES, case_arrays, device_us, floor_kernel
+from bench_kernels import CASES, case_arrays, device_us, floor_kernel, floor_row
 from numba_cp import ops
 
 
@@ -52,6 +52,8 @@ def build(name, method="auto"):
 
 def probe_kernels():
     from numba import cuda, int64
+
+    read_row_write_row = floor_row()  # the floor's work, inlined
 
     @cuda.jit
     def floor_dep(scores, seq_lens, out):
@@ -90,12 +92,7 @@ def probe_kernels():
     def floor_wide(scores, seq_lens, out, x1, x2, x3, x4, x5, x6, x7, s1, s2, s3, s4):
         # The floor's work with about the merge + table kernel's parameter block
         # (Numba passes a 3-D array as 11 words): what the block itself costs.
-        row = cuda.blockIdx.x
-        head = cuda.blockIdx.y
-        lane = cuda.threadIdx.x
-        n = seq_lens[row]
-        if lane < scores.shape[2] and lane < out.shape[2]:
-            out[head, row, lane] = int(scores[head, row, lane] > 0) + n
+        read_row_write_row(scores, seq_lens, out)
 
     return floor_kernel(), floor_dep, floor_div64, floor_barrier, floor_wide
 
