@@ -3,8 +3,9 @@
     PYTHONPATH=CHECKOUT NUMBA_CP_BACKEND=cuda NUMBA_CP_KERNEL_CACHE=0 \
         python -P results/h200-2026-12-05/rank_merge_vote_check.py
 
-from the root of a checkout of branch ``rank-votes`` (its ``tests/test_merge.py``);
-CHECKOUT holds the ``numba_cp`` package under test.
+from the root of the votes tree (README.md here; its ``tests/test_merge.py``, whose
+``test_sorted_gather_fast_path_and_its_check`` took ``(n, swap)``); CHECKOUT holds the
+``numba_cp`` package under test.
 
 One line per launch: ``ok`` or the first mismatches. The cases are those of
 ``tests/test_merge.py`` that failed on the GPU: one row of two ranks with one key
