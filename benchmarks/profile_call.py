@@ -8,8 +8,8 @@ The first times the two public kernels' wrappers; ``--torch`` then times the pac
 and the merge at case b's shapes and case g's merge with its sparse block table
 (bench_kernels.py's cases) three ways: with CuPy arrays, with PyTorch tensors, and
 with the same tensors seen only through ``__cuda_array_interface__`` (what a
-tensor costs without its own key), and checks that the tensors' outputs equal the
-CuPy ones. ``--exchange`` times whole eager calls of a ``CandidateExchange`` over
+tensor costs without its own key), checks that the tensors' outputs equal the
+CuPy ones, and prints a cProfile of g's calls with CuPy arrays and with tensors. ``--exchange`` times whole eager calls of a ``CandidateExchange`` over
 the IPC transport, fused and as separate steps, on every rank of the job (rank 0
 prints), and profiles each.
 """
@@ -144,7 +144,8 @@ def torch_comparison(calls, repeats, json_path=None):
     import cupy
 
     rows = []
-    for label, call, cupy_arrays, outputs in comparison_calls():
+    calls_made = comparison_calls()
+    for label, call, cupy_arrays, outputs in calls_made:
         numba_cp.backend.cuda.synchronize()  # the keys, packed on CuPy's stream
         tensors = {k: torch.as_tensor(v, device="cuda").clone() for k, v in cupy_arrays.items()}
         for name in outputs:
@@ -161,6 +162,7 @@ def torch_comparison(calls, repeats, json_path=None):
             np.array_equal(tensors[name].cpu().numpy(), cupy.asnumpy(cupy_arrays[name]))
             for name in outputs)
         rows.append(row)
+        g_tensors = tensors
     print(f"host us per eager call ({calls} calls back to back, best of {repeats}): "
           "CuPy arrays, PyTorch tensors, and the tensors through __cuda_array_interface__")
     head = ("call", "cupy", "torch", "torch iface", "torch/cupy", "same")
@@ -169,6 +171,16 @@ def torch_comparison(calls, repeats, json_path=None):
         print(f"{row['call']:<16}{row['cupy_us']:>12.1f}{row['torch_us']:>12.1f}"
               f"{row['torch_interface_us']:>12.1f}{row['torch_over_cupy']:>12.2f}"
               f"{'yes' if row['same_outputs'] else 'NO':>12}")
+    label, call, cupy_arrays, _ = calls_made[-1]  # g's merge + table: the dearest call
+    for kind, arrays in (("CuPy arrays", cupy_arrays), ("PyTorch tensors", g_tensors)):
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(calls):
+            call(arrays)
+        profile.disable()
+        numba_cp.backend.cuda.synchronize()
+        print(f"{label}, {calls} calls with {kind}:", flush=True)
+        pstats.Stats(profile).sort_stats("tottime").print_stats(15)
     if json_path:
         result = dict(backend=numba_cp.backend.describe(), calls=calls, repeats=repeats,
                       torch=torch.__version__, cupy=cupy.__version__, rows=rows)
