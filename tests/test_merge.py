@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import numba_cp
 from numba_cp import reference as ref
+from numba_cp.backend import TARGET
 from numba_cp.constants import PAGES
 from support import Case, cases, launches, to_device, to_host
 
@@ -150,32 +151,40 @@ def test_sparse_table_from_block_tables_around_a_thousand_columns(width):
         run_merge(keys, case, table=table, **launch)
 
 
-@pytest.mark.parametrize("swap", [None, (0, 1), (1, 2), (15, 16), (30, 31)])
-def test_sorted_gather_fast_path_and_its_check(swap):
+@pytest.mark.parametrize("swap", [None, "in a lane", "across lanes", "across runs",
+                                  "at a run's end"])
+@pytest.mark.parametrize("n", [TARGET.lanes, 2 * TARGET.lanes])
+def test_sorted_gather_fast_path_and_its_check(n, swap):
     """Gathered runs already in order skip the sort; one pair out of order must not.
 
-    ``per_shard == topk == 16`` makes each rank's keys one run. The swaps break
-    the order inside a lane, across a lane boundary, across two runs (harmless)
-    and at a run's end.
+    ``per_shard == topk == n`` makes each rank's keys one run: of one warp's
+    lanes (the rank merge checks the order by shuffles) and of two (it checks
+    in shared memory). The swaps break the order inside a lane, across a lane
+    boundary, across two runs and at a run's end.
     """
+    pairs = {"in a lane": (0, 1), "across lanes": (1, 2), "across runs": (n - 1, n),
+             "at a run's end": (2 * n - 2, 2 * n - 1)}
     rng = np.random.default_rng(21)
     case = Case(rng.standard_normal((2, 3, 200)).astype(np.float32),
-                np.array([200 * 128, 120 * 128 + 7, 3 * 128], np.int32), world=4, topk=16,
+                np.array([200 * 128, 120 * 128 + 7, 3 * 128], np.int32), world=4, topk=n,
                 query_len=1, global_blocks=200, init_blocks=1, local_blocks=2)
-    keys = gathered_keys(case, 16)
+    keys = gathered_keys(case, n)
     assert (np.diff(keys, axis=-1) <= 0).all(), "the pack's keys are descending"
     if swap is not None:
+        first, second = pairs[swap]
         flat = keys.reshape(case.world, case.heads, case.tokens, -1).copy()
-        rank, column = divmod(swap[0], 16)
-        other = swap[1] % 16 if swap[1] // 16 == rank else None
+        rank, column = divmod(first, n)
+        other = second % n if second // n == rank else None
         if other is None:  # across ranks: swap the last of one with the first of the next
             flat[rank, :, :, column], flat[rank + 1, :, :, 0] = \
                 flat[rank + 1, :, :, 0].copy(), flat[rank, :, :, column].copy()
         else:
             flat[rank, :, :, [column, other]] = flat[rank, :, :, [other, column]]
         keys = flat
+    lanes = TARGET.lanes
     for launch in (dict(method="warp"), dict(method="warp", sort_limit=1),
-                   dict(method="warp", sort_limit=64)):
+                   dict(method="warp", sort_limit=64), dict(method="rank"),
+                   dict(method="rank", threads=lanes), dict(method="rank", threads=4 * lanes)):
         run_merge(keys, case, **launch)
 
 
