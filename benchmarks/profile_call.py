@@ -9,8 +9,9 @@ and the merge at case b's shapes and case g's merge with its sparse block table
 (bench_kernels.py's cases) three ways: with CuPy arrays, with PyTorch tensors, and
 with the same tensors seen only through ``__cuda_array_interface__`` (what a
 tensor costs without its own key), checks that the tensors' outputs equal the
-CuPy ones, and prints a cProfile of g's calls with CuPy arrays and with tensors. ``--exchange`` times whole eager calls of a ``CandidateExchange`` over
-the IPC transport, fused and as separate steps, on every rank of the job (rank 0
+CuPy ones, and prints a cProfile of g's calls with CuPy arrays and with tensors.
+``--exchange`` times whole eager calls of a ``CandidateExchange`` over the IPC
+transport, fused and as separate steps, on every rank of the job (rank 0
 prints), and profiles each.
 """
 
@@ -144,6 +145,7 @@ def torch_comparison(calls, repeats, json_path=None):
     import cupy
 
     rows = []
+    inputs = {}  # label -> (CuPy arrays, tensors)
     calls_made = comparison_calls()
     for label, call, cupy_arrays, outputs in calls_made:
         numba_cp.backend.cuda.synchronize()  # the keys, packed on CuPy's stream
@@ -162,7 +164,7 @@ def torch_comparison(calls, repeats, json_path=None):
             np.array_equal(tensors[name].cpu().numpy(), cupy.asnumpy(cupy_arrays[name]))
             for name in outputs)
         rows.append(row)
-        g_tensors = tensors
+        inputs[label] = cupy_arrays, tensors
     print(f"host us per eager call ({calls} calls back to back, best of {repeats}): "
           "CuPy arrays, PyTorch tensors, and the tensors through __cuda_array_interface__")
     head = ("call", "cupy", "torch", "torch iface", "torch/cupy", "same")
@@ -171,8 +173,8 @@ def torch_comparison(calls, repeats, json_path=None):
         print(f"{row['call']:<16}{row['cupy_us']:>12.1f}{row['torch_us']:>12.1f}"
               f"{row['torch_interface_us']:>12.1f}{row['torch_over_cupy']:>12.2f}"
               f"{'yes' if row['same_outputs'] else 'NO':>12}")
-    label, call, cupy_arrays, _ = calls_made[-1]  # g's merge + table: the dearest call
-    for kind, arrays in (("CuPy arrays", cupy_arrays), ("PyTorch tensors", g_tensors)):
+    label, call, _, _ = calls_made[-1]  # g's merge + table: the dearest call
+    for kind, arrays in zip(("CuPy arrays", "PyTorch tensors"), inputs[label]):
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(calls):
