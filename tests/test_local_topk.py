@@ -98,3 +98,30 @@ def test_deterministic_across_launch_shapes():
                for m, t, s in shapes]
     for other in results[1:]:
         np.testing.assert_array_equal(results[0], other)
+
+
+@pytest.mark.parametrize("order", ["descending", "ascending", "ties", "nan"])
+@pytest.mark.parametrize("topk_of_lanes", [1.0, 0.5, 0.25])
+def test_rank_pack_of_several_chunks(order, topk_of_lanes):
+    """Rank packs of several chunks on rows sorted either way (all the top keys in
+    one chunk's run), with ties and with NaN, at ``topk`` of a whole run, half and a
+    quarter of one: the last place at a run's end or inside it."""
+    from numba_cp.kernels.primitives import WARP_LANES
+    topk = max(1, int(WARP_LANES * topk_of_lanes))
+    blocks = 16 * WARP_LANES
+    column = np.arange(blocks, dtype=np.float32)
+    row = {"descending": -column, "ascending": column,
+           "ties": (column % 3).astype(np.float32),
+           "nan": np.where(column % 5 == 0, np.nan, np.sin(column)).astype(np.float32)}[order]
+    scores = np.stack([row, row[::-1].copy()])[None].repeat(2, 0)  # [heads, tokens, blocks]
+    seq_lens = np.array([blocks * 128, blocks * 64 + 5], np.int32)
+    args = dict(world=1, query_len=1, global_blocks=blocks, init_blocks=0, local_blocks=0)
+    expected = ref.local_topk_keys(scores, seq_lens, topk=topk, rank=0, **args)
+    for threads, sort_limit in ((WARP_LANES, WARP_LANES), (2 * WARP_LANES, 2 * WARP_LANES),
+                                (4 * WARP_LANES, None)):
+        out = to_device(np.full((2, 2, topk), SENTINEL))
+        numba_cp.local_topk_keys(to_device(scores), to_device(seq_lens), topk=topk, rank=0,
+                                 out=out, method="rank", threads=threads,
+                                 sort_limit=sort_limit, **args)
+        np.testing.assert_array_equal(to_host(out), expected,
+                                      err_msg=f"threads={threads}, sort_limit={sort_limit}")
