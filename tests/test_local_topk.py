@@ -113,7 +113,7 @@ def test_rank_pack_of_several_chunks(order, topk_of_lanes):
     row = {"descending": -column, "ascending": column,
            "ties": (column % 3).astype(np.float32),
            "nan": np.where(column % 5 == 0, np.nan, np.sin(column)).astype(np.float32)}[order]
-    scores = np.stack([row, row[::-1].copy()])[None].repeat(2, 0)  # [heads, tokens, blocks]
+    scores = np.stack([row, row[::-1]])[None].repeat(2, 0)  # [heads, tokens, blocks]
     seq_lens = np.array([blocks * 128, blocks * 64 + 5], np.int32)
     args = dict(world=1, query_len=1, global_blocks=blocks, init_blocks=0, local_blocks=0)
     expected = ref.local_topk_keys(scores, seq_lens, topk=topk, rank=0, **args)

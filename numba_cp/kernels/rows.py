@@ -22,8 +22,8 @@ __all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARA
            "SELECT_PARAMS", "SELECT_TABLE_PARAMS", "PACK_TO_PEERS_PARAMS", "whole_row",
            "MERGE_DELIVERED_PARAMS", "MERGE_DELIVERED_TABLE_PARAMS", "MERGE_DELIVERED_KEYS_PARAMS",
            "shard_candidate_key", "gathered_candidate_key", "shard_row", "gathered_row",
-           "shard_load", "shard_load_signed", "shard_key_of", "gathered_load", "gathered_key_of", "shard_place",
-           "gathered_place",
+           "shard_load", "shard_load_signed", "shard_key_of", "gathered_load", "gathered_key_of",
+           "shard_place", "gathered_place",
            "merged_block", "table_writer", "page_of"]
 
 # The kernels' parameters: the wrappers' arrays in the wrappers' order, then scalars.
