@@ -27,7 +27,7 @@ import ctypes
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._numba import lock_simulated_shared_arrays
 
@@ -187,10 +187,11 @@ class Target:
     ipc_threads: int  # threads per block of the IPC kernels
     ipc_push_blocks: int  # blocks per peer of the IPC push
     ipc_copy_blocks: int  # small: a spinning grid must not fill the GPU
+    # A field, not a property: every eager call asks it several times.
+    simulator: bool = field(init=False)
 
-    @property
-    def simulator(self) -> bool:
-        return self.name == "sim"
+    def __post_init__(self):
+        object.__setattr__(self, "simulator", self.name == "sim")
 
 
 def _target(name: str) -> Target:
