@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Nsight Compute per SASS instruction of one small-row kernel: executions and warp-stall
+# samples, as CSV (summarize it with benchmarks/ncu_source_summary.py).
+#   NUMBA_CP_BACKEND=cuda bash benchmarks/ncu_source.sh CASE KERNEL_REGEX OUT.csv [method]
+#   e.g. ... ncu_source.sh g merge_topk_ids_and_table g.csv
+# Profiles the second launch that profile_kernels.py's `launch` makes of the kernel.
+# --cache-control none and --clock-control none: no cache flush before the launch, and
+# the GPU's own clocks, nearer a graph replay than the profiler's defaults (a flush
+# turns the first constant and instruction fetches into misses).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+case_name=$1
+kernel=$2
+out=$3
+method=${4:-auto}
+report=$(mktemp -d)/source
+ncu --cache-control none --clock-control none -k "regex:$kernel" --launch-skip 1 \
+  --launch-count 1 --section SourceCounters --section WarpStateStats -o "$report" \
+  python3 benchmarks/profile_kernels.py launch --cases "$case_name" --method "$method"
+ncu -i "$report.ncu-rep" --page source --csv --print-source sass > "$out"
