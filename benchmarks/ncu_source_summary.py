@@ -42,17 +42,18 @@ def summarize(header, rows, top=20):
         if needed not in column:
             raise ValueError(f"the source page has no {needed!r} column")
     reasons = [n for n in header if n.startswith("stall_") and "Not Issued" not in n]
-    samples = sum(_count(r[column[SAMPLES]]) for r in rows)
+    per_line = [_count(r[column[SAMPLES]]) for r in rows]
+    samples = sum(per_line)
     totals = {n[len("stall_"):]: sum(_count(r[column[n]]) for r in rows) for n in reasons}
-    ranked = sorted(range(len(rows)), key=lambda i: -_count(rows[i][column[SAMPLES]]))[:top]
+    ranked = sorted(range(len(rows)), key=lambda i: -per_line[i])[:top]
     hot = []
     for i in sorted(ranked):
-        row = rows[i]
-        if not _count(row[column[SAMPLES]]):
+        if not per_line[i]:
             continue
+        row = rows[i]
         by_reason = sorted(((_count(row[column[n]]), n[len("stall_"):]) for n in reasons),
                            reverse=True)
-        hot.append({"line": i, "samples": _count(row[column[SAMPLES]]),
+        hot.append({"line": i, "samples": per_line[i],
                     "executed": _count(row[column[EXECUTED]]),
                     "sass": row[column["Source"]].strip(),
                     "reasons": [name for count, name in by_reason[:2] if count]})

@@ -190,16 +190,15 @@ def resolve_stream(stream, like=None):
         return 0
     if stream is None:
         stream = default_stream_for(like)
-    if type(stream) is int:  # the eager default: a failed hasattr below costs ~0.1 us each
-        wrapped = _EXTERNAL_STREAMS.get(stream)
-        if wrapped is not None:
-            return wrapped
-    if hasattr(stream, "handle") and hasattr(stream, "synchronize") and not hasattr(stream, "ptr"):
-        return stream  # already a Numba stream
-    for attribute in ("ptr", "cuda_stream"):
-        if hasattr(stream, attribute):
-            stream = getattr(stream, attribute)
-            break
+    # A raw handle (the eager default) skips the probes: each failed hasattr raises inside.
+    if type(stream) is not int:
+        if (hasattr(stream, "handle") and hasattr(stream, "synchronize")
+                and not hasattr(stream, "ptr")):
+            return stream  # already a Numba stream
+        for attribute in ("ptr", "cuda_stream"):
+            if hasattr(stream, attribute):
+                stream = getattr(stream, attribute)
+                break
     if isinstance(stream, (int, np.integer)):
         handle = int(stream)
         wrapped = _EXTERNAL_STREAMS.get(handle)
