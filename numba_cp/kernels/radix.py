@@ -34,7 +34,8 @@ from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
                    MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
                    SELECT_PARAMS, SELECT_TABLE_PARAMS, gathered_candidate_key, gathered_row,
-                   merged_block, shard_candidate_key, shard_row, table_writer, whole_row)
+                   merged_block, request_seq_len, row_request, shard_candidate_key, shard_row, table_writer,
+                   whole_row)
 
 __all__ = ["make_block_topk", "pack_kernel", "merge_kernel", "merge_table_kernel",
            "merge_keys_kernel", "select_kernel", "select_table_kernel",
@@ -210,7 +211,8 @@ def pack_kernel(capacity):
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
-        head, row, count, ctx = shard_row(scores, seq_lens, rank, world, query_len,
+        request_len = request_seq_len(seq_lens, row_request(query_len))
+        head, row, count, ctx = shard_row(scores, request_len, rank, world, query_len,
                                           global_blocks, init_blocks, local_blocks)
         block_topk(scores, ctx, count, topk, sel, hist, state)
         for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):
@@ -236,7 +238,8 @@ def pack_to_peers_kernel(capacity):
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
-        head, row, count, ctx = shard_row(scores, seq_lens, rank, world, query_len,
+        request_len = request_seq_len(seq_lens, row_request(query_len))
+        head, row, count, ctx = shard_row(scores, request_len, rank, world, query_len,
                                           global_blocks, init_blocks, local_blocks)
         block_topk(scores, ctx, count, topk, sel, hist, state)
         base = delivery_base(data_start, epoch, npeers, peer_rank, slot, head, row,
@@ -271,8 +274,9 @@ def _merge_select(capacity):
                      local_blocks, sel, hist, state):
         """Merge this block's (head, row) from ``keys[first:first + world]``; leaves
         its block ids (or -1) in ``sel[0:topk]``."""
+        request_len = request_seq_len(seq_lens, row_request(query_len))
         head, row, request, causal_len, valid_blocks, count, ctx = gathered_row(
-            keys, first, world, seq_lens, query_len, init_blocks, local_blocks)
+            keys, first, world, request_len, query_len, init_blocks, local_blocks)
         block_topk(keys, ctx, count, topk_idx.shape[2], sel, hist, state)
         write_ids(sel, topk_idx, head, row, valid_blocks)
         return head, row, request, causal_len
@@ -289,8 +293,9 @@ def _whole_row_select(capacity):
                          local_blocks, sel, hist, state):
         """World 1: this block's (head, row) top-k straight from the scores; leaves its
         block ids (or -1) in ``sel[0:topk]``."""
+        request_len = request_seq_len(seq_lens, row_request(query_len))
         head, row, request, causal_len, valid_blocks, count, ctx = whole_row(
-            scores, seq_lens, query_len, global_blocks, init_blocks, local_blocks)
+            scores, request_len, query_len, global_blocks, init_blocks, local_blocks)
         block_topk(scores, ctx, count, topk_idx.shape[2], sel, hist, state)
         write_ids(sel, topk_idx, head, row, valid_blocks)
         return head, row, request, causal_len
@@ -422,7 +427,8 @@ def _merge_keys_select(capacity):
                           local_blocks, sel, hist, state):
         """Merge this block's (head, row) from ``keys[first:first + world]``; writes the
         top ``topk`` keys into ``out``."""
-        head, row, _, _, _, count, ctx = gathered_row(keys, first, world, seq_lens, query_len,
+        request_len = request_seq_len(seq_lens, row_request(query_len))
+        head, row, _, _, _, count, ctx = gathered_row(keys, first, world, request_len, query_len,
                                                       init_blocks, local_blocks)
         block_topk(keys, ctx, count, topk, sel, hist, state)
         for j in range(cuda.threadIdx.x, topk, cuda.blockDim.x):

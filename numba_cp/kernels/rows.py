@@ -23,7 +23,7 @@ __all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARA
            "MERGE_DELIVERED_PARAMS", "MERGE_DELIVERED_TABLE_PARAMS", "MERGE_DELIVERED_KEYS_PARAMS",
            "shard_candidate_key", "gathered_candidate_key", "shard_row", "gathered_row",
            "shard_load", "shard_load_signed", "shard_key_of", "gathered_load", "gathered_key_of",
-           "shard_place", "gathered_place",
+           "shard_place", "gathered_place", "request_seq_len", "row_request",
            "merged_block", "table_writer", "page_of"]
 
 # The kernels' parameters: the wrappers' arrays in the wrappers' order, then scalars.
@@ -78,6 +78,15 @@ MERGE_DELIVERED_KEYS_PARAMS = (*MERGE_KEYS_PARAMS[:3], *_WAIT_ARRAYS, *MERGE_KEY
 # seq_lens; ``*_key_of(raw, ctx, i)`` pins it with the row's window. A kernel
 # can so issue its first loads with a "place" ctx (``shard_place``,
 # ``gathered_place``: the window fields zero) while seq_lens is still in flight.
+#
+# Load order. The kernels that read scores take the row's request first
+# (``row_request``), then issue the score loads, then the seq_lens load
+# (``request_seq_len``), so that the two loads travel together and the quotient
+# no longer sits between them. The merges issue their key loads before anything
+# else: a table merge's page lookups wait on them. On one H100 (BENCHMARKS.md,
+# "Small rows, 2026-12-06: load order") the first order took 0.05 us off b's pack
+# and 0.2-0.3 us off the warp kernels' world-1 kernels, and cost the merges
+# 0.04-0.18 us where they used it.
 
 
 @cuda.jit(device=True, inline=True)
@@ -153,9 +162,22 @@ def shard_candidate_count(valid_blocks, global_blocks, rank, world, local):
 
 
 @cuda.jit(device=True, inline=True)
-def row_window(seq_lens, row, query_len, local_blocks):
-    request = quotient(row, query_len)
-    causal_len = causal_len_of(seq_lens[uint64(request)], row - request * query_len, query_len)
+def row_request(query_len):
+    """The request of this block's row (the index of its ``seq_lens`` entry)."""
+    return quotient(int64(cuda.blockIdx.x), query_len)
+
+
+@cuda.jit(device=True, inline=True)
+def request_seq_len(seq_lens, request):
+    """``(request, seq_lens[request])``: what :func:`row_window` takes. Split from
+    :func:`row_request` so that a kernel can place this load after its first ones."""
+    return request, seq_lens[uint64(request)]
+
+
+@cuda.jit(device=True, inline=True)
+def row_window(request_len, row, query_len, local_blocks):
+    request, seq_len = request_len
+    causal_len = causal_len_of(seq_len, row - request * query_len, query_len)
     valid_blocks = valid_blocks_of(causal_len)
     return request, causal_len, valid_blocks, max(valid_blocks - local_blocks, 0)
 
@@ -164,29 +186,31 @@ def row_window(seq_lens, row, query_len, local_blocks):
 def per_shard_shift(per_shard):
     """log2(per_shard) when it is a power of two, else -1 (see gathered_candidate_key);
     read from the exponent of ``float32(per_shard)``, as keys.quotient does."""
-    if per_shard > 0 and per_shard & (per_shard - 1) == 0:
-        return (float_bits(float32(per_shard)) >> 23) - 127
-    return int64(-1)
+    # Selects, not branches: the merges compute this before their first load.
+    shift = (float_bits(float32(per_shard)) >> 23) - 127
+    pow2 = (per_shard > 0) & ((per_shard & (per_shard - 1)) == 0)
+    return shift if pow2 else int64(-1)
 
 
 @cuda.jit(device=True, inline=True)
-def shard_row(scores, seq_lens, rank, world, query_len, global_blocks, init_blocks,
+def shard_row(scores, request_len, rank, world, query_len, global_blocks, init_blocks,
               local_blocks):
-    """This block's ``(head, row)``, its shard candidate count and candidate ctx."""
+    """This block's ``(head, row)``, its shard candidate count and candidate ctx;
+    ``request_len`` is :func:`request_seq_len`'s."""
     row = int64(cuda.blockIdx.x)
     head = int64(cuda.blockIdx.y)
-    _, _, valid_blocks, local_start = row_window(seq_lens, row, query_len, local_blocks)
+    _, _, valid_blocks, local_start = row_window(request_len, row, query_len, local_blocks)
     count = shard_candidate_count(valid_blocks, global_blocks, rank, world, scores.shape[2])
     return head, row, count, (head, row, rank, world, init_blocks, local_start)
 
 
 @cuda.jit(device=True, inline=True)
-def whole_row(scores, seq_lens, query_len, global_blocks, init_blocks, local_blocks):
+def whole_row(scores, request_len, query_len, global_blocks, init_blocks, local_blocks):
     """World 1: this block's ``(head, row, request, causal_len, valid_blocks, candidates,
     ctx)``, the shard being the whole row."""
     row = int64(cuda.blockIdx.x)
     head = int64(cuda.blockIdx.y)
-    request, causal_len, valid_blocks, local_start = row_window(seq_lens, row, query_len,
+    request, causal_len, valid_blocks, local_start = row_window(request_len, row, query_len,
                                                                 local_blocks)
     count = shard_candidate_count(valid_blocks, global_blocks, 0, 1, scores.shape[2])
     ctx = (head, row, int64(0), int64(1), init_blocks, local_start)
@@ -194,12 +218,12 @@ def whole_row(scores, seq_lens, query_len, global_blocks, init_blocks, local_blo
 
 
 @cuda.jit(device=True, inline=True)
-def gathered_row(keys, first, world, seq_lens, query_len, init_blocks, local_blocks):
+def gathered_row(keys, first, world, request_len, query_len, init_blocks, local_blocks):
     """This block's ``(head, row, request, causal_len, valid_blocks, candidates, ctx)``;
     the gathered keys are ``keys[first:first + world]``."""
     row = int64(cuda.blockIdx.x)
     head = int64(cuda.blockIdx.y)
-    request, causal_len, valid_blocks, local_start = row_window(seq_lens, row, query_len,
+    request, causal_len, valid_blocks, local_start = row_window(request_len, row, query_len,
                                                                 local_blocks)
     per_shard = int64(keys.shape[3])
     ctx = (head, row, per_shard, per_shard_shift(per_shard), init_blocks, local_start, first)
@@ -260,19 +284,20 @@ def table_writer(slots, preloaded=False):
                     full += 1
                 else:
                     tail = 1
-        before = int64(0)  # full blocks in lower lanes
-        total = full
-        tails = tail
+        # One 32-bit shuffle a round: the full blocks (at most 2048) in the low 16
+        # bits, the lanes with the tail block above them.
+        total = int32(full + (tail << 16))
+        before = int32(0)  # the same, summed over the lower lanes
         mask = 1
-        while mask < WARP_LANES:  # counts of at most 2048: one 32-bit shuffle each
-            other_total = lane_value(int32(total), lane, mask)
-            other_tails = lane_value(int32(tails), lane, mask)
+        while mask < WARP_LANES:
+            other = int32(lane_value(total, lane, mask))
             if lane & mask:
-                before += other_total
-            total += other_total
-            tails |= other_tails
+                before = int32(before + other)
+            total = int32(total + other)
             mask <<= 1
-        n_full = total
+        before = int64(before & 0xFFFF)  # full blocks in lower lanes
+        n_full = int64(total & 0xFFFF)
+        tails = int64(1) if total > 0xFFFF else int64(0)
         n_used = n_full + tails
         if lane == 0:
             if tails:

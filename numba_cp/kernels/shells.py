@@ -23,7 +23,6 @@ from numba import float32, int64, uint64
 
 from ..backend import TARGET, cuda
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
-from .keys import quotient
 from .params import declare
 from .primitives import WARP_LANES, inline_device
 from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
@@ -31,7 +30,8 @@ from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
                    SELECT_PARAMS, SELECT_TABLE_PARAMS, gathered_key_of, gathered_load,
                    gathered_place, gathered_row, merged_block, shard_key_of, shard_load,
-                   shard_place, shard_row, table_writer, whole_row, page_of)
+                   shard_place, shard_row, table_writer, whole_row, page_of,
+                   request_seq_len, row_request)
 
 __all__ = ["Selection", "KERNELS", "kernel_factories"]
 
@@ -94,8 +94,10 @@ def _shard_select(sel):
     def shard_select(scores, seq_lens, rank, world, query_len, global_blocks, init_blocks,
                      local_blocks, raw, v, t, acc, shared):
         """Select this block's (head, row): its keys ``acc`` at places ``v``."""
+        request = row_request(query_len)
         prefetch(scores, shard_place(rank, world), scores.shape[2], raw)
-        head, row, count, ctx = shard_row(scores, seq_lens, rank, world, query_len,
+        request_len = request_seq_len(seq_lens, request)
+        head, row, count, ctx = shard_row(scores, request_len, rank, world, query_len,
                                           global_blocks, init_blocks, local_blocks)
         select_top(scores, ctx, count, raw, v, t, acc, shared)
         return head, row
@@ -188,8 +190,9 @@ def _merge_select(sel):
         """Merge this block's (head, row) from ``keys[first:first + world]``: write
         topk_idx and keep the ids (or -1) in ``acc``, at places ``v``."""
         prefetch(keys, gathered_place(keys, first), world * keys.shape[3], raw)
+        request_len = request_seq_len(seq_lens, row_request(query_len))
         head, row, request, causal_len, valid_blocks, count, ctx = gathered_row(
-            keys, first, world, seq_lens, query_len, init_blocks, local_blocks)
+            keys, first, world, request_len, query_len, init_blocks, local_blocks)
         select_top(keys, ctx, count, raw, v, t, acc, shared)
         write_ids(acc, v, topk_idx, head, row, valid_blocks)
         return head, row, request, causal_len
@@ -207,9 +210,11 @@ def _whole_row_select(sel):
                          local_blocks, raw, v, t, acc, shared):
         """World 1: this block's (head, row) top-k of pinned keys straight from the
         scores: write topk_idx and keep the ids (or -1) in ``acc``, at places ``v``."""
+        request = row_request(query_len)
         prefetch(scores, shard_place(0, 1), scores.shape[2], raw)
+        request_len = request_seq_len(seq_lens, request)
         head, row, request, causal_len, valid_blocks, count, ctx = whole_row(
-            scores, seq_lens, query_len, global_blocks, init_blocks, local_blocks)
+            scores, request_len, query_len, global_blocks, init_blocks, local_blocks)
         select_top(scores, ctx, count, raw, v, t, acc, shared)
         write_ids(acc, v, topk_idx, head, row, valid_blocks)
         return head, row, request, causal_len
@@ -258,13 +263,14 @@ def select_table_kernel(sel):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
+        request = row_request(query_len)
         prefetch(scores, shard_place(0, 1), scores.shape[2], raw)
+        request_len = request_seq_len(seq_lens, request)
         if early_pages:  # world 1: candidate i is block i, so its page needs no score
-            request = quotient(int64(cuda.blockIdx.x), query_len)
             for s in range(slots):
                 t[s] = page_of(candidate(s), request, block_table, page_stride)
         head, row, request, causal_len, valid_blocks, count, ctx = whole_row(
-            scores, seq_lens, query_len, global_blocks, init_blocks, local_blocks)
+            scores, request_len, query_len, global_blocks, init_blocks, local_blocks)
         select_top(scores, ctx, count, raw, v, t, acc, shared)
         write_ids(acc, v, topk_idx, head, row, valid_blocks)
         lane = cuda.threadIdx.x
@@ -290,8 +296,9 @@ def _merge_with_table(sel):
                          context_lens, query_len, init_blocks, local_blocks, page_stride, raw, v,
                          t, acc, shared):
         prefetch(keys, gathered_place(keys, first), world * keys.shape[3], raw)
+        request_len = request_seq_len(seq_lens, row_request(query_len))
         head, row, request, causal_len, valid_blocks, count, ctx = gathered_row(
-            keys, first, world, seq_lens, query_len, init_blocks, local_blocks)
+            keys, first, world, request_len, query_len, init_blocks, local_blocks)
         if early_pages:  # every candidate's page, in flight while the row is selected
             for s in range(slots):
                 t[s] = int64(0)
@@ -359,7 +366,8 @@ def _merge_keys_select(sel):
         """Merge this block's (head, row) from ``keys[first:first + world]``: write
         the top ``topk`` keys into ``out``."""
         prefetch(keys, gathered_place(keys, first), world * keys.shape[3], raw)
-        head, row, _, _, _, count, ctx = gathered_row(keys, first, world, seq_lens,
+        request_len = request_seq_len(seq_lens, row_request(query_len))
+        head, row, _, _, _, count, ctx = gathered_row(keys, first, world, request_len,
                                                       query_len, init_blocks, local_blocks)
         select_top(keys, ctx, count, raw, v, t, acc, shared)
         for s in range(slots):
