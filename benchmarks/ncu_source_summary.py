@@ -6,9 +6,11 @@
 The CSV is ``ncu -i REPORT --page source --csv --print-source sass``: a row per
 SASS instruction with its executions and its warp-stall samples by reason. This
 prints the warp instructions executed (per warp with ``--warps``: the launch's
-blocks x warps per block), each stall reason's share of the samples, and the
-``--top`` instructions with the most samples, in program order, with their two
-largest reasons. Nothing here asserts a speed; it reads what the profiler wrote.
+blocks x warps per block), each stall reason's share of the samples, the
+program cut at its barriers (each stretch's instructions and samples, with its
+two largest reasons: where a kernel's instructions and waits lie between its
+steps), and the ``--top`` instructions with the most samples, in program order,
+with their two largest reasons. Nothing here asserts a speed; it reads what the profiler wrote.
 """
 
 from __future__ import annotations
@@ -58,10 +60,36 @@ def summarize(header, rows, top=20):
                     "sass": row[column["Source"]].strip(),
                     "reasons": [name for count, name in by_reason[:2] if count]})
     return {"instructions": sum(_count(r[column[EXECUTED]]) for r in rows),
+            "segments": _segments(rows, column, reasons, per_line),
             "samples": samples,
             "stalls": {k: v / samples for k, v in sorted(totals.items(), key=lambda kv: -kv[1])
                        if v and samples},
             "top": hot}
+
+
+def _largest(rows, column, reasons, count=2):
+    totals = {n[len("stall_"):]: sum(_count(r[column[n]]) for r in rows) for n in reasons}
+    ranked = sorted(((v, k) for k, v in totals.items() if v), reverse=True)
+    return [name for _, name in ranked[:count]]
+
+
+def _segments(rows, column, reasons, per_line):
+    """The program in address order, cut after each barrier (a ``BAR`` instruction):
+    ``[{"first", "last", "end", "instructions", "samples", "reasons"}]``."""
+    # the opcode is the first word, or the second after a predicate (``@!P2 BAR.RED...``)
+    cuts = [i for i, r in enumerate(rows)
+            if any(word.startswith("BAR") for word in r[column["Source"]].split()[:2])]
+    bounds = [-1, *cuts] + ([len(rows) - 1] if not cuts or cuts[-1] != len(rows) - 1 else [])
+    segments = []
+    for first, last in zip([b + 1 for b in bounds[:-1]], bounds[1:]):
+        part = rows[first:last + 1]
+        segments.append({
+            "first": first, "last": last,
+            "end": part[-1][column["Source"]].strip() if last in cuts else "end",
+            "instructions": sum(_count(r[column[EXECUTED]]) for r in part),
+            "samples": sum(per_line[first:last + 1]),
+            "reasons": _largest(part, column, reasons)})
+    return segments
 
 
 def main(argv=None):
@@ -76,6 +104,11 @@ def main(argv=None):
     print(f"{args.csv}: {summary['instructions']} warp instructions executed{per_warp}, "
           f"{summary['samples']} stall samples")
     print("  ".join(f"{k} {v:.0%}" for k, v in summary["stalls"].items()))
+    warps = args.warps or 1
+    for seg in summary["segments"]:
+        print(f"lines {seg['first']:4d}-{seg['last']:<4d} {seg['instructions'] / warps:8.1f} "
+              f"instructions{' a warp' if args.warps else ''}, {seg['samples']:4d} samples "
+              f"{', '.join(seg['reasons']):24s} up to {seg['end'][:40]}")
     for hot in summary["top"]:
         print(f"{hot['line']:5d} {hot['samples']:5d} x{hot['executed']:<7d} "
               f"{hot['sass'][:60]:60s} {', '.join(hot['reasons'])}")

@@ -46,7 +46,25 @@ def test_the_command_line_prints_instructions_per_warp(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("224 warp instructions executed, 56 per warp, 10 stall samples")
     assert out[1] == "long_sb 50%  wait 30%  barrier 20%"
-    assert "LOP3.LUT" in out[2] and out[2].rstrip().endswith("long_sb, wait")
+    assert out[2].startswith("lines    0-3        56.0 instructions a warp,   10 samples")
+    assert "LOP3.LUT" in out[3] and out[3].rstrip().endswith("long_sb, wait")
+
+
+def test_the_program_is_cut_after_each_barrier(tmp_path):
+    rows = ROWS + [
+        '"0x50","      DSETP.GT.AND P1, PT, R20, R28, PT","3","3","32","0","3","0","0"',
+        '"0x60","  @!P2  BAR.RED.OR.DEFER_BLOCKING 0x0, !PT","1","1","32","0","0","1","0"',
+        '"0x70","      EXIT","0","0","32","0","0","0","0"',
+    ]
+    summary = summary_tool.summarize(*summary_tool.read_source_page(_page(tmp_path, rows=rows)))
+    assert [(s["first"], s["last"], s["instructions"], s["samples"], s["reasons"])
+            for s in summary["segments"]] == [
+        (0, 3, 224, 10, ["long_sb", "wait"]),  # up to and with the first barrier
+        (4, 5, 64, 4, ["wait", "barrier"]),  # a predicated barrier cuts too
+        (6, 6, 32, 0, [])]
+    assert summary["segments"][1]["end"].endswith("BAR.RED.OR.DEFER_BLOCKING 0x0, !PT")
+    assert summary["segments"][2]["end"] == "end"
+    assert sum(s["instructions"] for s in summary["segments"]) == summary["instructions"]
 
 
 def test_a_page_that_is_not_a_source_page_is_named(tmp_path):
