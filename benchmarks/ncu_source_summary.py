@@ -10,7 +10,8 @@ blocks x warps per block), each stall reason's share of the samples, the
 program cut at its barriers (each stretch's instructions and samples, with its
 two largest reasons: where a kernel's instructions and waits lie between its
 steps), and the ``--top`` instructions with the most samples, in program order,
-with their two largest reasons. Nothing here asserts a speed; it reads what the profiler wrote.
+with their two largest reasons. Nothing here asserts a speed; it reads what the
+profiler wrote.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def _count(text):
 
 
 def summarize(header, rows, top=20):
-    """``{"instructions", "samples", "stalls": {reason: share}, "top": [...]}``."""
+    """``{"instructions", "segments": [...], "samples", "stalls": {reason: share},
+    "top": [...]}``."""
     column = {name: i for i, name in enumerate(header)}
     for needed in (SAMPLES, EXECUTED, "Source"):
         if needed not in column:
@@ -46,19 +48,17 @@ def summarize(header, rows, top=20):
     reasons = [n for n in header if n.startswith("stall_") and "Not Issued" not in n]
     per_line = [_count(r[column[SAMPLES]]) for r in rows]
     samples = sum(per_line)
-    totals = {n[len("stall_"):]: sum(_count(r[column[n]]) for r in rows) for n in reasons}
+    totals = _reason_totals(rows, column, reasons)
     ranked = sorted(range(len(rows)), key=lambda i: -per_line[i])[:top]
     hot = []
     for i in sorted(ranked):
         if not per_line[i]:
             continue
         row = rows[i]
-        by_reason = sorted(((_count(row[column[n]]), n[len("stall_"):]) for n in reasons),
-                           reverse=True)
         hot.append({"line": i, "samples": per_line[i],
                     "executed": _count(row[column[EXECUTED]]),
                     "sass": row[column["Source"]].strip(),
-                    "reasons": [name for count, name in by_reason[:2] if count]})
+                    "reasons": _largest([row], column, reasons)})
     return {"instructions": sum(_count(r[column[EXECUTED]]) for r in rows),
             "segments": _segments(rows, column, reasons, per_line),
             "samples": samples,
@@ -67,9 +67,15 @@ def summarize(header, rows, top=20):
             "top": hot}
 
 
+def _reason_totals(rows, column, reasons):
+    """``{reason: samples}`` over ``rows``."""
+    return {n[len("stall_"):]: sum(_count(r[column[n]]) for r in rows) for n in reasons}
+
+
 def _largest(rows, column, reasons, count=2):
-    totals = {n[len("stall_"):]: sum(_count(r[column[n]]) for r in rows) for n in reasons}
-    ranked = sorted(((v, k) for k, v in totals.items() if v), reverse=True)
+    """The ``count`` reasons with the most samples over ``rows``, largest first."""
+    ranked = sorted(((v, k) for k, v in _reason_totals(rows, column, reasons).items() if v),
+                    reverse=True)
     return [name for _, name in ranked[:count]]
 
 

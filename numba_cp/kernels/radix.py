@@ -34,8 +34,8 @@ from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
                    MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
                    SELECT_PARAMS, SELECT_TABLE_PARAMS, gathered_candidate_key, gathered_row,
-                   merged_block, request_seq_len, row_request, shard_candidate_key, shard_row, table_writer,
-                   whole_row)
+                   merged_block, request_seq_len, row_request, shard_candidate_key, shard_row,
+                   table_writer, whole_row)
 
 __all__ = ["make_block_topk", "pack_kernel", "merge_kernel", "merge_table_kernel",
            "merge_keys_kernel", "select_kernel", "select_table_kernel",
