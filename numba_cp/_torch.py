@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["Torch", "found", "signature"]
+__all__ = ["Torch", "found", "signature", "signer"]
 
 # The typestr and itemsize PyTorch's __cuda_array_interface__ gives each dtype:
 # only the dtypes every PyTorch release maps the same way (bool, bfloat16 and
@@ -79,16 +79,27 @@ def signature(tensor, torch: Torch):
     dimensions of size 1 do not count), gives pointer 0 for an empty one, and
     is never read-only.
     """
-    dtype = torch.typestrs.get(tensor.dtype)
-    if (dtype is None or not tensor.is_cuda or tensor.requires_grad
-            or tensor.layout is not torch.strided):
-        return None
-    # A torch.Size is a tuple, equal to and hashed as the interface's. `0 in shape`
-    # for numel(), and no tuple copy: each PyTorch call costs ~50 ns, and an eager
-    # call keys up to six tensors.
-    shape = tensor.shape
-    pointer = 0 if 0 in shape else tensor.data_ptr()
-    if tensor.is_contiguous():
-        return (dtype[0], shape, None, False), pointer
-    itemsize = dtype[1]
-    return (dtype[0], shape, tuple([step * itemsize for step in tensor.stride()]), False), pointer
+    return signer(torch)(tensor)
+
+
+def signer(torch: Torch):
+    """:func:`signature` for ``torch``, with what it reads of the module bound once
+    (an eager call keys up to six tensors)."""
+    typestrs, strided = torch.typestrs, torch.strided
+
+    def tensor_signature(tensor):
+        dtype = typestrs.get(tensor.dtype)
+        if (dtype is None or not tensor.is_cuda or tensor.requires_grad
+                or tensor.layout is not strided):
+            return None
+        # A torch.Size is a tuple, equal to and hashed as the interface's. `0 in shape`
+        # for numel(), and no tuple copy: each PyTorch call costs ~50 ns.
+        shape = tensor.shape
+        pointer = 0 if 0 in shape else tensor.data_ptr()
+        if tensor.is_contiguous():
+            return (dtype[0], shape, None, False), pointer
+        itemsize = dtype[1]
+        return (dtype[0], shape, tuple([step * itemsize for step in tensor.stride()]),
+                False), pointer
+
+    return tensor_signature

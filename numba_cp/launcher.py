@@ -43,24 +43,57 @@ def array_signature(obj):
     None means "not cacheable" (the wrapper then validates on every call). The
     pointer saves reading the interface twice.
     """
-    if TARGET.simulator:
-        if isinstance(obj, np.ndarray):
-            return ((obj.dtype.str, obj.shape, obj.strides, not obj.flags.writeable),
-                    obj.__array_interface__["data"][0])
-        return None
-    if type(obj) is FixedView:
-        return obj.signature
-    if type(obj) is _cupy_ndarray():
-        # CuPy builds its interface dict on every access (about 2 us); its attributes
-        # say the same for the key. dtype.str is the interface's typestr.
-        return (obj.dtype.str, obj.shape, obj.strides, False), obj.data.ptr
+    return _array_signer()(obj)
+
+
+_SIGNER = (None, None, None)  # (TARGET, _torch.found(), the signer made for them)
+
+
+def _array_signer():
+    """:func:`array_signature` for the current target and PyTorch (which the caller may
+    import at any time): the per-array type tests with what they compare against
+    looked up once, not once per array of every call."""
+    global _SIGNER
     torch = _torch.found()
-    if torch is not None and type(obj) is torch.tensor:
-        # PyTorch builds its interface in Python on every access (several us);
-        # the tensor's attributes give the same key.
-        signature = _torch.signature(obj, torch)
-        if signature is not None:
-            return signature
+    target, found, signer = _SIGNER
+    if target is not TARGET or found is not torch:
+        signer = _make_signer(TARGET.simulator, torch, _cupy_ndarray())
+        _SIGNER = (TARGET, torch, signer)
+    return signer
+
+
+def _make_signer(simulator, torch, cupy_ndarray):
+    if simulator:
+        def simulated_signature(obj):
+            if isinstance(obj, np.ndarray):
+                return ((obj.dtype.str, obj.shape, obj.strides, not obj.flags.writeable),
+                        obj.__array_interface__["data"][0])
+            return None
+
+        return simulated_signature
+    tensor = torch.tensor if torch is not None else None
+    tensor_signature = _torch.signer(torch) if torch is not None else None
+
+    def signature(obj):
+        kind = type(obj)
+        if kind is cupy_ndarray:
+            # CuPy builds its interface dict on every access (about 2 us); its attributes
+            # say the same for the key. dtype.str is the interface's typestr.
+            return (obj.dtype.str, obj.shape, obj.strides, False), obj.data.ptr
+        if kind is tensor:
+            # PyTorch builds its interface in Python on every access (several us);
+            # the tensor's attributes give the same key.
+            keyed = tensor_signature(obj)
+            if keyed is not None:
+                return keyed
+        elif kind is FixedView:
+            return obj.signature
+        return _interface_signature(obj)
+
+    return signature
+
+
+def _interface_signature(obj):
     try:
         interface = getattr(obj, "__cuda_array_interface__", None)
     except RuntimeError:  # PyTorch's refusal of a tensor that requires grad
@@ -108,13 +141,14 @@ def call_signature(arrays, scalars):
     kernel belongs to one context. A key holding an unhashable scalar fails
     to hash where it is looked up.
     """
+    sign = _array_signer()
     keyed, pointers = [], []
     for array in arrays:
         if array is None:
             keyed.append(None)
             pointers.append(None)
             continue
-        signature = array_signature(array)
+        signature = sign(array)
         if signature is None:
             return None, None
         keyed.append(signature[0])

@@ -300,6 +300,29 @@ def test_torch_is_never_imported_here(monkeypatch, gpu_keys):
     assert DTYPES["bool"] not in found.typestrs and DTYPES["bfloat16"] not in found.typestrs
 
 
+def test_keys_follow_an_import_of_torch_and_a_change_of_target(monkeypatch, gpu_keys):
+    """The key's type tests are looked up once per (target, torch), not once per
+    array: a torch imported after the first call, or another target, is still seen."""
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(_torch, "_FOUND", None)
+    tensor = FakeTensor(_base())
+    reads = FakeTensor.interface_reads
+    before = array_signature(tensor)
+    assert FakeTensor.interface_reads == reads + 1, "no torch yet: the interface"
+    monkeypatch.setitem(sys.modules, "torch", fake_torch())
+    reads = FakeTensor.interface_reads
+    assert array_signature(tensor) == before
+    assert FakeTensor.interface_reads == reads, "torch imported: the tensor's attributes"
+    assert call_signature([tensor], [])[1] == [before[1]]
+    assert FakeTensor.interface_reads == reads
+    # back on the simulator, only NumPy arrays are keyed
+    monkeypatch.setattr(launcher, "TARGET", TARGET)
+    assert array_signature(tensor) is None
+    array = _base()
+    assert array_signature(array) == ((array.dtype.str, array.shape, array.strides, False),
+                                      array.__array_interface__["data"][0])
+
+
 def test_a_module_mid_import_is_not_looked_up(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # no Tensor yet
     monkeypatch.setattr(_torch, "_FOUND", None)
