@@ -10,7 +10,8 @@ init_blocks 1, local_blocks 2):
   the gathered keys of all ranks (case g: heads 1, with the sparse block table).
 * ``device us``: N calls captured in one CUDA graph on a CuPy stream and replayed;
   time per call, so launch cost is excluded.
-* ``eager us``: Python call -> work queued, CuPy arrays in, over many calls.
+* ``eager us``: Python call -> work queued, CuPy arrays in, over many calls; ``torch in``:
+  the same calls with PyTorch tensors over the same memory, on PyTorch's current stream.
 * ``torch``: the same exchange written in plain PyTorch (int64 key packing +
   ``torch.topk``), graph-replayed and eager, plus ``torch.topk`` over the full
   unsharded forced rows (float scores, no sharding) as the single-GPU reference.
@@ -232,6 +233,17 @@ class TorchExchange:
         return t.topk(s, self.topk, dim=-1).indices
 
 
+def torch_eager_us(torch, call, calls):
+    """Eager us per ``call()`` on PyTorch's current stream, the first call untimed."""
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e6 / calls
+
+
 def torch_times(torch, fn, per_graph, replays, calls):
     """(device us via torch.cuda.graph replay, eager us) of ``fn()``."""
     stream = torch.cuda.Stream()
@@ -356,6 +368,28 @@ def run_case(name, args, torch):
 
             row["floor_device_us"] = device_us(floor, stream, args.per_graph, args.replays)
         stream.synchronize()
+    if torch is not None:
+        # The same calls with PyTorch tensors over the same memory and no stream (so on
+        # PyTorch's current stream): what a PyTorch caller pays. They rewrite the
+        # outputs verified below.
+        tensor = {id(v): torch.as_tensor(v, device="cuda") for v in
+                  (shards[0], seq_lens, out, gathered, topk_idx, full_scores, world1_idx,
+                   *tables.values(), *world1_tables.values())}
+        t = lambda v: tensor[id(v)]  # noqa: E731
+        t_window = {k: t(v) for k, v in tables.items()}
+        t_world1 = {k: t(v) for k, v in world1_tables.items()}
+        tensor_calls = {
+            "merge": lambda: numba_cp.merge_topk_keys(t(gathered), t(topk_idx), t(seq_lens),
+                                                      **window, **t_window, **launch),
+            "world1": lambda: global_topk_ids(t(full_scores), t(seq_lens), t(world1_idx),
+                                              global_blocks=work.global_blocks, **window,
+                                              **t_world1, **launch)}
+        if not table_on:
+            tensor_calls["pack"] = lambda: numba_cp.local_topk_keys(
+                t(shards[0]), t(seq_lens), topk=topk, rank=0, out=t(out), **shard_args,
+                **launch)
+        for stage, call in tensor_calls.items():
+            row[f"{stage}_eager_torch_us"] = torch_eager_us(torch, call, args.calls)
 
     # verify what the timed calls produced
     shard0 = ref.shard_scores(work.full_scores, rank=0, world=world,
@@ -448,7 +482,7 @@ def main(argv=None):
     p.add_argument("--replays", type=int, default=20, help="graph replays timed")
     p.add_argument("--calls", type=int, default=200, help="eager calls timed")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline and the calls with tensors")
     p.add_argument("--exchange", action="store_true",
                    help="also time case b's whole exchange at world 1 as a captured graph")
     p.add_argument("--sweep-launch", action="store_true",
@@ -471,15 +505,17 @@ def main(argv=None):
         rows.append(run_case(name.strip(), args, torch))
         print(f"case {name} done", file=sys.stderr, flush=True)
     cols = [("case", "case"), ("pack dev", "pack_device_us"), ("/ref", "pack_vs_reference"),
-            ("pack eager", "pack_eager_us"), ("merge dev", "merge_device_us"),
-            ("/ref", "merge_vs_reference"), ("merge eager", "merge_eager_us"),
+            ("pack eager", "pack_eager_us"), ("torch in", "pack_eager_torch_us"),
+            ("merge dev", "merge_device_us"), ("/ref", "merge_vs_reference"),
+            ("merge eager", "merge_eager_us"), ("torch in", "merge_eager_torch_us"),
             ("world1 dev", "world1_device_us"), ("/ref", "world1_vs_reference"),
-            ("world1 eager", "world1_eager_us"),
+            ("world1 eager", "world1_eager_us"), ("torch in", "world1_eager_torch_us"),
             ("torch pack", "torch_pack_device_us"), ("torch merge", "torch_merge_device_us"),
             ("torch full", "torch_full_topk_device_us"), ("floor", "floor_device_us"),
             ("exact", "exact")]
     print(f"backend {numba_cp.backend.describe()}; times in us per call; dev = CUDA-graph "
-          "replay, eager = Python call to queued work")
+          "replay, eager = Python call to queued work with CuPy arrays, torch in = the same "
+          "with PyTorch tensors")
     print("  ".join(f"{h:>11}" for h, _ in cols))
     for row in rows:
         cells = []
