@@ -372,21 +372,20 @@ def run_case(name, args, torch):
         # The same calls with PyTorch tensors over the same memory and no stream (so on
         # PyTorch's current stream): what a PyTorch caller pays. They rewrite the
         # outputs verified below.
-        tensor = {id(v): torch.as_tensor(v, device="cuda") for v in
-                  (shards[0], seq_lens, out, gathered, topk_idx, full_scores, world1_idx,
-                   *tables.values(), *world1_tables.values())}
-        t = lambda v: tensor[id(v)]  # noqa: E731
-        t_window = {k: t(v) for k, v in tables.items()}
-        t_world1 = {k: t(v) for k, v in world1_tables.items()}
+        t = {name: torch.as_tensor(v, device="cuda") for name, v in
+             dict(shard=shards[0], seq_lens=seq_lens, out=out, keys=gathered, idx=topk_idx,
+                  scores=full_scores, world1_idx=world1_idx).items()}
+        t_tables = {k: torch.as_tensor(v, device="cuda") for k, v in tables.items()}
+        t_world1 = {k: torch.as_tensor(v, device="cuda") for k, v in world1_tables.items()}
         tensor_calls = {
-            "merge": lambda: numba_cp.merge_topk_keys(t(gathered), t(topk_idx), t(seq_lens),
-                                                      **window, **t_window, **launch),
-            "world1": lambda: global_topk_ids(t(full_scores), t(seq_lens), t(world1_idx),
+            "merge": lambda: numba_cp.merge_topk_keys(t["keys"], t["idx"], t["seq_lens"],
+                                                      **window, **t_tables, **launch),
+            "world1": lambda: global_topk_ids(t["scores"], t["seq_lens"], t["world1_idx"],
                                               global_blocks=work.global_blocks, **window,
                                               **t_world1, **launch)}
         if not table_on:
             tensor_calls["pack"] = lambda: numba_cp.local_topk_keys(
-                t(shards[0]), t(seq_lens), topk=topk, rank=0, out=t(out), **shard_args,
+                t["shard"], t["seq_lens"], topk=topk, rank=0, out=t["out"], **shard_args,
                 **launch)
         for stage, call in tensor_calls.items():
             row[f"{stage}_eager_torch_us"] = torch_eager_us(torch, call, args.calls)
