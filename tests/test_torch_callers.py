@@ -315,8 +315,8 @@ def test_keys_follow_an_import_of_torch_and_a_change_of_target(monkeypatch, gpu_
     assert FakeTensor.interface_reads == reads, "torch imported: the tensor's attributes"
     assert call_signature([tensor], [])[1] == [before[1]]
     assert FakeTensor.interface_reads == reads
-    # back on the simulator, only NumPy arrays are keyed
-    monkeypatch.setattr(launcher, "TARGET", TARGET)
+    # on the simulator, only NumPy arrays are keyed
+    monkeypatch.setattr(launcher, "TARGET", dataclasses.replace(TARGET, name="sim"))
     assert array_signature(tensor) is None
     array = _base()
     assert array_signature(array) == ((array.dtype.str, array.shape, array.strides, False),
