@@ -73,13 +73,20 @@ def _make_signer(simulator, torch, cupy_ndarray):
         return simulated_signature
     tensor = torch.tensor if torch is not None else None
     tensor_signature = _torch.signer(torch) if torch is not None else None
+    # dtype -> dtype.str, which NumPy builds anew on every access: a third of a CuPy
+    # array's key (155 of 455 ns on a 2-core CPU; 283 ns with this table)
+    typestrs = {}
 
     def signature(obj):
         kind = type(obj)
         if kind is cupy_ndarray:
             # CuPy builds its interface dict on every access (about 2 us); its attributes
             # say the same for the key. dtype.str is the interface's typestr.
-            return (obj.dtype.str, obj.shape, obj.strides, False), obj.data.ptr
+            dtype = obj.dtype
+            typestr = typestrs.get(dtype)
+            if typestr is None:
+                typestr = typestrs[dtype] = dtype.str
+            return (typestr, obj.shape, obj.strides, False), obj.data.ptr
         if kind is tensor:
             # PyTorch builds its interface in Python on every access (several us);
             # the tensor's attributes give the same key.

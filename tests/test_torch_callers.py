@@ -323,6 +323,35 @@ def test_keys_follow_an_import_of_torch_and_a_change_of_target(monkeypatch, gpu_
                                       array.__array_interface__["data"][0])
 
 
+class FakeCupyArray:
+    """What the key reads of a CuPy array (dtype, shape, strides, data.ptr), over NumPy."""
+
+    def __init__(self, array, dtype=None):
+        self._array = array
+        self.dtype = np.dtype(dtype or array.dtype)  # a dtype object of its own
+        self.shape, self.strides = array.shape, array.strides
+        self.data = types.SimpleNamespace(ptr=array.__array_interface__["data"][0])
+
+    @property
+    def __cuda_array_interface__(self):
+        return dict(typestr=self.dtype.str, shape=self.shape, strides=self.strides,
+                    data=(self.data.ptr, False), version=3)
+
+
+def test_cupy_arrays_are_keyed_as_their_interface_keys_them(monkeypatch, gpu_keys):
+    """A CuPy array's key comes from its attributes, its typestr from a table per dtype:
+    equal to the interface's key, and the same for equal dtypes that are distinct
+    objects or of other byte orders."""
+    monkeypatch.setattr(launcher, "_cupy_ndarray", lambda: FakeCupyArray)
+    monkeypatch.setattr(launcher, "_SIGNER", (None, None, None))
+    for dtype in ("<i4", "=i4", "int32", ">i4", "<i8", "<f4", "|u1"):
+        array = FakeCupyArray(_base("int32").transpose(0, 2, 1), dtype)
+        for _ in range(2):  # the table's first answer, then its kept one
+            assert array_signature(array) == array_signature(InterfaceOnly(array)), dtype
+    big = FakeCupyArray(_base("int32"), ">i4")
+    assert array_signature(big)[0][0] == ">i4"
+
+
 def test_a_module_mid_import_is_not_looked_up(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # no Tensor yet
     monkeypatch.setattr(_torch, "_FOUND", None)
