@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["Torch", "found", "signature", "signer"]
+__all__ = ["Torch", "found", "signature"]
 
 # The typestr and itemsize PyTorch's __cuda_array_interface__ gives each dtype:
 # only the dtypes every PyTorch release maps the same way (bool, bfloat16 and
@@ -38,6 +38,9 @@ class Torch:
         self.typestrs = {getattr(torch, name): value for name, value in _TYPESTRS.items()
                          if hasattr(torch, name)}
         self.current_stream = _current_stream_getter(torch)
+        # what signature() computes, with the table and layout bound once: an eager
+        # call keys up to six tensors
+        self.signature = _tensor_signer(self.typestrs, self.strided)
 
 
 def _current_stream_getter(torch):
@@ -79,14 +82,10 @@ def signature(tensor, torch: Torch):
     dimensions of size 1 do not count), gives pointer 0 for an empty one, and
     is never read-only.
     """
-    return signer(torch)(tensor)
+    return torch.signature(tensor)
 
 
-def signer(torch: Torch):
-    """:func:`signature` for ``torch``, with what it reads of the module bound once
-    (an eager call keys up to six tensors)."""
-    typestrs, strided = torch.typestrs, torch.strided
-
+def _tensor_signer(typestrs, strided):
     def tensor_signature(tensor):
         dtype = typestrs.get(tensor.dtype)
         if (dtype is None or not tensor.is_cuda or tensor.requires_grad

@@ -72,7 +72,7 @@ def _make_signer(simulator, torch, cupy_ndarray):
 
         return simulated_signature
     tensor = torch.tensor if torch is not None else None
-    tensor_signature = _torch.signer(torch) if torch is not None else None
+    tensor_signature = torch.signature if torch is not None else None
     # dtype -> dtype.str, which NumPy builds anew on every access: a third of a CuPy
     # array's key (155 of 455 ns on a 2-core CPU; 283 ns with this table)
     typestrs = {}
