@@ -233,17 +233,6 @@ class TorchExchange:
         return t.topk(s, self.topk, dim=-1).indices
 
 
-def torch_eager_us(torch, call, calls):
-    """Eager us per ``call()`` on PyTorch's current stream, the first call untimed."""
-    call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e6 / calls
-
-
 def torch_times(torch, fn, per_graph, replays, calls):
     """(device us via torch.cuda.graph replay, eager us) of ``fn()``."""
     stream = torch.cuda.Stream()
@@ -388,7 +377,9 @@ def run_case(name, args, torch):
                 t["shard"], t["seq_lens"], topk=topk, rank=0, out=t["out"], **shard_args,
                 **launch)
         for stage, call in tensor_calls.items():
-            row[f"{stage}_eager_torch_us"] = torch_eager_us(torch, call, args.calls)
+            # torch.cuda.synchronize() waits for PyTorch's stream as a stream's would
+            row[f"{stage}_eager_torch_us"] = eager_us(lambda _, call=call: call(), torch.cuda,
+                                                      args.calls)
 
     # verify what the timed calls produced
     shard0 = ref.shard_scores(work.full_scores, rank=0, world=world,
@@ -481,7 +472,8 @@ def main(argv=None):
     p.add_argument("--replays", type=int, default=20, help="graph replays timed")
     p.add_argument("--calls", type=int, default=200, help="eager calls timed")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline and the calls with tensors")
+    p.add_argument("--no-torch", action="store_true",
+                   help="skip the PyTorch baseline and the calls with tensors")
     p.add_argument("--exchange", action="store_true",
                    help="also time case b's whole exchange at world 1 as a captured graph")
     p.add_argument("--sweep-launch", action="store_true",
