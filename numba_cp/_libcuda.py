@@ -14,19 +14,27 @@ cuda-bindings.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from functools import lru_cache
 
-__all__ = ["Driver", "driver"]
+__all__ = ["Driver", "driver", "per_thread_default_stream"]
 
 _LIBRARIES = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
+
+
+def per_thread_default_stream() -> bool:
+    """Whether stream 0 means the per-thread default stream, as cuda-bindings (and so
+    Numba's own launches) read it: ``CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM``."""
+    return bool(int(os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") or 0))
 
 
 class Driver:
     """``libcuda``'s ``cuLaunchKernel`` and ``cuCtxGetCurrent`` with declared types."""
 
-    def __init__(self, library):
-        launch = library.cuLaunchKernel
+    def __init__(self, library, per_thread=False):
+        # The _ptsz entry point reads stream 0 as the calling thread's default stream.
+        launch = library.cuLaunchKernel_ptsz if per_thread else library.cuLaunchKernel
         launch.restype = ctypes.c_int
         # f, grid x/y/z, block x/y/z, shared bytes, stream, kernelParams, extra
         launch.argtypes = ([ctypes.c_void_p] + [ctypes.c_uint] * 7
@@ -51,7 +59,7 @@ def driver() -> Driver | None:
     """The loaded driver, or None where ``libcuda`` or either entry point is missing."""
     for name in _LIBRARIES:
         try:
-            return Driver(ctypes.CDLL(name))
-        except (OSError, AttributeError):
+            return Driver(ctypes.CDLL(name), per_thread_default_stream())
+        except (OSError, AttributeError, ValueError):
             continue
     return None
