@@ -19,8 +19,7 @@ from .backend import TARGET, cuda
 __all__ = ["KernelArray", "as_kernel_array", "with_leading_axis", "device_view", "FixedView",
            "fixed_view",
            "byte_range",
-           "resolve_stream", "default_stream_for", "stream_handle", "launch_stream_handle",
-           "synchronize", "device_copy",
+           "resolve_stream", "default_stream_for", "stream_handle", "synchronize", "device_copy",
            "host_copy"]
 
 
@@ -236,14 +235,6 @@ def stream_handle(stream) -> int:
         return 0
     handle = resolved.handle
     return int(getattr(handle, "value", handle) or 0)
-
-
-def launch_stream_handle(stream, like=None) -> int:
-    """:func:`stream_handle` of ``resolve_stream(stream, like)``; a raw handle, the
-    eager default, is returned as it is, not wrapped in a Numba stream first."""
-    if stream is None:
-        stream = default_stream_for(like)
-    return stream if type(stream) is int else stream_handle(stream)
 
 
 def synchronize(stream):

@@ -26,9 +26,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import _libcuda, _numba, _torch, kernel_cache
-from .arrays import (FixedView, as_kernel_array, launch_stream_handle, resolve_stream,
-                     with_leading_axis)
+from . import _numba, _torch, kernel_cache
+from .arrays import FixedView, as_kernel_array, resolve_stream, with_leading_axis
 from .backend import TARGET
 from .kernels.params import Array
 
@@ -128,9 +127,6 @@ def context_token():
     """Identifies the current GPU context: compiled kernels belong to one context."""
     if TARGET.name != "cuda":
         return 0
-    libcuda = _libcuda.driver()
-    if libcuda is not None:
-        return libcuda.current_context()
     _, context = _driver().cuCtxGetCurrent()
     return int(context)
 
@@ -284,9 +280,8 @@ class _DirectLaunch:
     meminfo, parent, size, itemsize, data, shape..., strides...; the scalars
     are int64), so the parameter block is one int64 array built once, with a
     pointer per parameter into it; a call rewrites the data pointers and
-    launches. The driver is called through :mod:`numba_cp._libcuda` where it
-    loads, else through cuda-bindings; should the binding refuse its
-    arguments, it falls back to ``cuda.core.launch`` with the same values.
+    launches. Should the driver call itself refuse its arguments, it falls back
+    to ``cuda.core.launch`` with the same values.
     """
 
     def __init__(self, launch: KernelLaunch, args):
@@ -315,26 +310,13 @@ class _DirectLaunch:
         self.dims = grid + tuple(block) + (1,) * (3 - len(block))
         self.lock = threading.Lock()  # the parameter block is shared by calls
         self.use_driver = True
-        libcuda = _libcuda.driver()
-        self.launch_kernel = None if libcuda is None else libcuda.launch_kernel
-        self.function_address = int(self.function)  # a CUkernel launches as a CUfunction
 
     def __call__(self, objects, stream, pointers=None):
-        if self.launch_kernel is not None:
-            handle = launch_stream_handle(stream, objects[0])
-            with self.lock:  # the slots written inline: a method call costs ~0.1 us
-                values = self.values
-                for slot, i in self.pointer_slots:
-                    values[slot] = (pointers[i] if pointers is not None
-                                    else objects[i].__cuda_array_interface__["data"][0])
-                status = self.launch_kernel(self.function_address, *self.dims, 0, handle,
-                                            self.params_address, None)
-            if status:
-                raise RuntimeError(f"cuLaunchKernel failed: {self._result(status)}")
-            return
         stream = resolve_stream(stream, objects[0])
         with self.lock:
-            self._set_pointers(objects, pointers)
+            for slot, i in self.pointer_slots:
+                self.values[slot] = (pointers[i] if pointers is not None
+                                     else objects[i].__cuda_array_interface__["data"][0])
             if self.use_driver:
                 try:
                     (status,) = self.driver.cuLaunchKernel(
@@ -346,17 +328,6 @@ class _DirectLaunch:
                         raise RuntimeError(f"cuLaunchKernel failed: {status!r}")
                     return
             _numba.launch_with_cuda_core(stream, self.dims, self.cu_kernel, self.values)
-
-    def _set_pointers(self, objects, pointers):
-        for slot, i in self.pointer_slots:
-            self.values[slot] = (pointers[i] if pointers is not None
-                                 else objects[i].__cuda_array_interface__["data"][0])
-
-    def _result(self, status):
-        try:
-            return repr(self.driver.CUresult(status))
-        except ValueError:
-            return f"CUresult {status}"
 
 
 def _scalar(value):

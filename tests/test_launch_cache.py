@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import numba_cp
-from numba_cp import _libcuda, _numba, launcher, ops
+from numba_cp import _numba, launcher, ops
 from numba_cp import reference as ref
 from numba_cp.backend import TARGET
 from numba_cp.launcher import LaunchCache
@@ -119,15 +119,9 @@ def _counting(launch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("binding", ["libcuda", "cuda-bindings"])
-def test_repeated_calls_take_the_direct_path(fresh_caches, monkeypatch, binding):
-    """Through libcuda (ctypes) where it loads, else through cuda-bindings: both exact."""
+def test_repeated_calls_take_the_direct_path(fresh_caches):
     if TARGET.name != "cuda":
         pytest.skip("the direct cuLaunchKernel path is numba-cuda's")
-    if binding == "cuda-bindings":
-        monkeypatch.setattr(_libcuda, "driver", lambda: None)
-    elif _libcuda.driver() is None:
-        pytest.skip("libcuda does not load through ctypes here")
     seq = to_device(np.array([20 * 128, 900, 5], np.int32))
     keys, merge_seq = _merge_inputs()
     with warnings.catch_warnings():
@@ -136,7 +130,6 @@ def test_repeated_calls_take_the_direct_path(fresh_caches, monkeypatch, binding)
         numba_cp.local_topk_keys(to_device(shard(0)), seq, out=out, **ARGS)
         pack, = ops._PACK_LAUNCHES.values()
         assert pack.direct, "the first call builds the direct launch"
-        assert (pack._direct.launch_kernel is None) == (binding == "cuda-bindings")
         pack_calls = _counting(pack)
         idx = to_device(np.zeros((1, 4, 6), np.int32))
         numba_cp.merge_topk_keys(to_device(keys), idx, to_device(merge_seq), query_len=1,
