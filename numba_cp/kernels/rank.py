@@ -197,18 +197,12 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
             i = s * threads + tid
             key = key_of(raw[s], ctx, i) if i < count else int64(0)
             shared[uint64(i)] = (key << TAG_BITS) | (_TAG_TOP - i)
-            # A key that may change threads on its way takes its t along through
-            # shared memory. A presorted row's keys stay with their threads unless
-            # its runs are out of order, so there t (a table kernel's page, loaded
-            # after the key) is stored only then: the page load is still in flight
-            # while the row is ranked.
-            if warp_layout and not presorted:
+            if warp_layout:  # a key may change threads on its way: its t waits here
                 shared[uint64(payloads + i)] = t[s]
         if presorted and tid == 0:
             shared[flag] = 0
         cuda.syncthreads()
         free = 0  # a shared region nobody reads any more
-        own = False  # with warp_layout: whether acc[s] is still slot s's own candidate
         if presorted:
             disordered = False
             for s in range(slots):
@@ -218,12 +212,7 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
             # Place the keys as if the runs were sorted before the check's verdict.
             place_in_runs(shared, 0, v, acc)
             free = capacity
-            own = True  # each thread placed its own keys
             if block_any(disordered, shared[flag:flag + 1]):
-                if warp_layout and chunks > 1:  # keys move: their t go through shared
-                    for s in range(slots):  # (read after rank_everything's barrier)
-                        shared[uint64(payloads + s * threads + tid)] = t[s]
-                    own = False
                 free = rank_everything(shared, v, acc)
         else:
             free = rank_everything(shared, v, acc)
@@ -234,11 +223,8 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
             for s in range(slots):
                 if v[s] < run:
                     shared[uint64(free + v[s])] = acc[s]
-                    if own:
-                        shared[uint64(carried + v[s])] = t[s]
-                    else:
-                        shared[uint64(carried + v[s])] = shared[
-                            uint64(payloads + _TAG_TOP - (acc[s] & _TAG_TOP))]
+                    shared[uint64(carried + v[s])] = shared[
+                        uint64(payloads + _TAG_TOP - (acc[s] & _TAG_TOP))]
             cuda.syncthreads()
             for s in range(slots):
                 e = tid * slots + s
