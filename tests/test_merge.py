@@ -160,7 +160,8 @@ def test_sorted_gather_fast_path_and_its_check(n, swap):
     ``per_shard == topk == n`` makes each rank's keys one run: of one warp's
     lanes (the rank merge checks the order by shuffles) and of two (it checks
     in shared memory). The swaps break the order inside a lane, across a lane
-    boundary, across two runs and at a run's end.
+    boundary, across two runs and at a run's end. The rank merges run with the
+    sparse table too: out of order, keys change threads, and their pages with them.
     """
     pairs = {"in a lane": (0, 1), "across lanes": (1, 2), "across runs": (n - 1, n),
              "at a run's end": (2 * n - 2, 2 * n - 1)}
@@ -182,10 +183,13 @@ def test_sorted_gather_fast_path_and_its_check(n, swap):
             flat[rank, :, :, [column, other]] = flat[rank, :, :, [other, column]]
         keys = flat
     lanes = TARGET.lanes
+    table = block_table(np.random.default_rng(5), case)
     for launch in (dict(method="warp"), dict(method="warp", sort_limit=1),
                    dict(method="warp", sort_limit=64), dict(method="rank"),
                    dict(method="rank", threads=lanes), dict(method="rank", threads=4 * lanes)):
         run_merge(keys, case, **launch)
+        if launch["method"] == "rank":  # each key's page goes where its key goes
+            run_merge(keys, case, table=table, **launch)
 
 
 # ---------------------------------------------------------------------------
