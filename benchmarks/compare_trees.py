@@ -1,7 +1,7 @@
 """Other checkouts of numba_cp against this one, in one process, on the same arrays.
 
     NUMBA_CP_BACKEND=cuda python benchmarks/compare_trees.py CHECKOUT [CHECKOUT ...]
-        [--cases a,b,c,d,g] [--repeats 5] [--warm] [--json F]
+        [--cases a,b,c,d,g] [--repeats 5] [--warm] [--unchained] [--json F]
 
 Kernel times of two trees measured in two processes differ by up to 0.2 µs on
 these small rows even for the same kernel: each process's arrays land at other
@@ -88,6 +88,23 @@ def calls(name, trees):
     return out
 
 
+def unchained(row, trees):
+    """The row again with chained launches off, for a tree that has them."""
+    case, stage, label, call = row
+    launcher = getattr(dict(trees)[label], "launcher", None)
+    if not hasattr(launcher, "set_chained_launches"):
+        return []
+
+    def ordinary(s):
+        previous = launcher.set_chained_launches(False)
+        try:
+            call(s)
+        finally:
+            launcher.set_chained_launches(previous)
+
+    return [(case, stage, f"{label}, chained launches off", ordinary)]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkouts", nargs="+", help="repository roots of the other trees")
@@ -96,6 +113,8 @@ def main(argv=None):
     p.add_argument("--warm", action="store_true", help="compile and launch once, no timing")
     p.add_argument("--only", type=int, default=None, help="with --warm: just tree N")
     p.add_argument("--json", default=None)
+    p.add_argument("--unchained", action="store_true",
+                   help="also time each tree that chains launches with chaining off")
     args = p.parse_args(argv)
     import numba_cp
 
@@ -111,6 +130,8 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"--cases: unknown {unknown}; known: {sorted(CASES)}")
     todo = [c for name in cases for c in calls(name, trees)]
+    if args.unchained:
+        todo = [row for c in todo for row in (c, *unchained(c, trees))]
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         for *_, call in todo:

@@ -22,6 +22,7 @@ says which path a launch takes.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import numpy as np
@@ -32,7 +33,8 @@ from .backend import TARGET
 from .kernels.params import Array
 
 __all__ = ["array_signature", "call_signature", "context_token", "KernelLaunch", "LaunchCache",
-           "block_limit_error"]
+           "block_limit_error", "chained_launches", "set_chained_launches",
+           "chained_launch_config"]
 
 _MAX_CACHED = 4096
 
@@ -129,6 +131,46 @@ def context_token():
         return 0
     _, context = _driver().cuCtxGetCurrent()
     return int(context)
+
+
+CHAINED_ENV = "NUMBA_CP_CHAINED_LAUNCH"
+_CHAINING = [None]  # set_chained_launches' choice; None: chained_launches() decides
+
+
+def chained_launches() -> bool:
+    """Whether launches of chained kernels may start before the kernel ahead of them
+    on the stream has finished (CUDA's programmatic dependent launch).
+
+    By default: on numba-cuda with a GPU of compute capability 9.0 or newer,
+    unless ``NUMBA_CP_CHAINED_LAUNCH=0``. Each chained kernel first waits for the
+    grid before it (``chain_grids`` in kernels/primitives.py), so only its
+    launch and block placement overlap that grid, never a memory access.
+    """
+    chosen = _CHAINING[0]
+    if chosen is None:
+        chosen = _CHAINING[0] = (
+            TARGET.name == "cuda" and os.environ.get(CHAINED_ENV, "1").strip() != "0"
+            and _device_chains(int(_driver().cuCtxGetDevice()[1])))
+    return chosen
+
+
+def set_chained_launches(enabled):
+    """Turn chained launches on or off for later calls (``None``: the default of
+    :func:`chained_launches`); returns the previous setting. On GPUs that cannot
+    chain, on AMD GPUs and in the simulator launches stay ordinary."""
+    previous = chained_launches()
+    _CHAINING[0] = None
+    if enabled is not None:
+        _CHAINING[0] = bool(enabled) and chained_launches()
+    return previous
+
+
+@lru_cache(maxsize=None)
+def _device_chains(device) -> bool:
+    driver = _driver()
+    _, major = driver.cuDeviceGetAttribute(
+        driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
+    return major >= 9
 
 
 @lru_cache(maxsize=None)
@@ -288,10 +330,8 @@ class _DirectLaunch:
         import ctypes
         import threading
 
-        from cuda.bindings import driver
-
         self.function, self.cu_kernel = _numba.compiled_function(launch.kernel, args)
-        self.driver = driver
+        self.driver = _driver()
         values, self.pointer_slots = [], []  # (index in values, which array)
         array_index = 0
         for param, value in zip(launch.params, args):
@@ -310,6 +350,19 @@ class _DirectLaunch:
         self.dims = grid + tuple(block) + (1,) * (3 - len(block))
         self.lock = threading.Lock()  # the parameter block is shared by calls
         self.use_driver = True
+        # Chained kernels open with chain_grids() (kernels/primitives.py): they may be
+        # launched while the kernel before them on the stream still runs.
+        self.chainable = getattr(_numba.kernel_py_func(launch.kernel), "chained", False)
+        self.configs = {}  # stream -> its cuLaunchKernelEx configuration
+
+    def _chained_config(self, stream):
+        """The launch configuration of chained launches on ``stream``, built once per
+        stream: filling one in costs more than the launch."""
+        if len(self.configs) >= 16:
+            self.configs.clear()
+        config = self.configs[stream] = chained_launch_config(self.driver, self.dims,
+                                                              stream.handle)
+        return config
 
     def __call__(self, objects, stream, pointers=None):
         stream = resolve_stream(stream, objects[0])
@@ -319,15 +372,38 @@ class _DirectLaunch:
                                      else objects[i].__cuda_array_interface__["data"][0])
             if self.use_driver:
                 try:
-                    (status,) = self.driver.cuLaunchKernel(
-                        self.function, *self.dims, 0, stream.handle, self.params_address, 0)
+                    if self.chainable and chained_launches():
+                        config = self.configs.get(stream) or self._chained_config(stream)
+                        (status,) = self.driver.cuLaunchKernelEx(
+                            config, self.function, self.params_address, 0)
+                    else:
+                        (status,) = self.driver.cuLaunchKernel(
+                            self.function, *self.dims, 0, stream.handle, self.params_address,
+                            0)
                 except (TypeError, ValueError):  # the binding refused the arguments
                     self.use_driver = False
                 else:
                     if status != self.driver.CUresult.CUDA_SUCCESS:
-                        raise RuntimeError(f"cuLaunchKernel failed: {status!r}")
+                        raise RuntimeError(f"kernel launch failed: {status!r}")
                     return
             _numba.launch_with_cuda_core(stream, self.dims, self.cu_kernel, self.values)
+
+
+def chained_launch_config(driver, dims, stream_handle):
+    """``cuLaunchKernelEx``'s configuration for a launch of ``dims`` (grid x, y, z,
+    block x, y, z) on ``stream_handle`` that may start before the kernel ahead of
+    it on the stream has finished (programmatic stream serialization)."""
+    config = driver.CUlaunchConfig()
+    (config.gridDimX, config.gridDimY, config.gridDimZ,
+     config.blockDimX, config.blockDimY, config.blockDimZ) = dims
+    config.sharedMemBytes = 0
+    config.hStream = stream_handle
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    return config
 
 
 def _scalar(value):

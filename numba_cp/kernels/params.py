@@ -37,8 +37,12 @@ def scalars(*names: str) -> tuple[Scalar, ...]:
     return tuple(Scalar(name) for name in names)
 
 
-def declare(*params):
-    """Attach ``params`` to a kernel's Python function (apply below ``cuda.jit``)."""
+def declare(*params, chained=False):
+    """Attach ``params`` to a kernel's Python function (apply below ``cuda.jit``).
+
+    ``chained``: the kernel opens with ``chain_grids()`` (kernels/primitives.py),
+    so the launcher may start it before the kernel ahead of it has finished.
+    """
 
     def attach(fn):
         code = fn.__code__
@@ -47,6 +51,7 @@ def declare(*params):
         if names != declared:
             raise TypeError(f"{fn.__name__}: parameters {names} but declared {declared}")
         fn.params = tuple(params)
+        fn.chained = chained
         return fn
 
     return attach

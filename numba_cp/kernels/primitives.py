@@ -29,7 +29,7 @@ if NAME != "sim":
 
 __all__ = ["inline_device", "float_bits", "bits_as_float64", "shared_atomic_add", "WARP_LANES", "lane_exchange",
            "lane_value", "lane_read", "lanes_all", "block_any", "flag_load", "flag_store",
-           "fence_system", "spin_pause", "clock_ns", "ctrl_add", "ctrl_cas"]
+           "fence_system", "spin_pause", "clock_ns", "ctrl_add", "ctrl_cas", "chain_grids"]
 
 
 def inline_device(fn):
@@ -524,3 +524,54 @@ else:
     def ctrl_cas(ctrl, index, old, value):
         """``ctrl[index] = value`` if it holds ``old``, atomically; returns what it held."""
         return cuda.atomic.cas(ctrl, index, old, value)
+
+
+# Programmatic dependent launch (NVIDIA sm_90 and newer): a kernel launched with
+# the host's chained launch (numba_cp.launcher) may start while the grid before it
+# on the stream still runs. ``chain_grids()`` opens every kernel: it waits until
+# that grid has finished and its writes are visible (a no-op after an ordinary
+# launch), then lets the next chained launch start, so that the next kernel's
+# launch and block placement overlap this one's work instead of following it.
+# Nothing may touch global memory before it. On older GPUs, AMD GPUs and the
+# simulator it is nothing.
+if NAME == "cuda":
+    from numba.cuda.cudadrv import nvvm as _nvvm
+
+    _CHAINED_ARCH = 900  # griddepcontrol: PTX ISA 7.8, sm_90
+
+    @intrinsic
+    def chain_grids(typingctx):
+        def codegen(context, builder, sig, args):
+            # __nvvm_reflect("__CUDA_ARCH") is the architecture being compiled for, a
+            # constant that libNVVM folds: older architectures never see the PTX.
+            module = builder.module
+            text = cgutils.make_bytearray(b"__CUDA_ARCH\0")
+            name = cgutils.add_global_variable(module, text.type, name="numba_cp_cuda_arch",
+                                               addrspace=_nvvm.ADDRSPACE_CONSTANT)
+            name.linkage = "internal"
+            name.global_constant = True
+            name.initializer = text
+            byte_pointer = ir.PointerType(ir.IntType(8))
+            reflect = cgutils.get_or_insert_function(
+                module, ir.FunctionType(ir.IntType(32), [byte_pointer]), "__nvvm_reflect")
+            arch = builder.call(reflect, [builder.addrspacecast(name, byte_pointer)])
+            chained = builder.icmp_signed(">=", arch, ir.Constant(ir.IntType(32), _CHAINED_ARCH))
+            with builder.if_then(chained):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
+                                   "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;",
+                                   "~{memory}", side_effect=True)
+                builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+elif NAME == "hip":
+
+    @cuda.jit(device=True, inline=True)
+    def chain_grids():
+        pass
+
+else:
+
+    def chain_grids():
+        pass

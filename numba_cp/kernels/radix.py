@@ -29,7 +29,7 @@ from ..backend import cuda
 from ..constants import KEY_VALID_BIT
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
 from .params import declare
-from .primitives import WARP_LANES, shared_atomic_add
+from .primitives import WARP_LANES, chain_grids, shared_atomic_add
 from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
                    MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
@@ -205,9 +205,10 @@ def pack_kernel(capacity):
     block_topk = make_block_topk(shard_candidate_key, capacity)
 
     @cuda.jit
-    @declare(*PACK_PARAMS)
+    @declare(*PACK_PARAMS, chained=True)
     def shard_topk_keys(scores, seq_lens, out, topk, rank, world, query_len,
                         global_blocks, init_blocks, local_blocks):
+        chain_grids()
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
@@ -348,9 +349,10 @@ def select_kernel(capacity):
     select = _whole_row_select(capacity)
 
     @cuda.jit
-    @declare(*SELECT_PARAMS)
+    @declare(*SELECT_PARAMS, chained=True)
     def global_topk_ids(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks,
                         local_blocks):
+        chain_grids()
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
@@ -367,10 +369,11 @@ def select_table_kernel(capacity):
     write_ids_table = _ids_table_writer(capacity)
 
     @cuda.jit
-    @declare(*SELECT_TABLE_PARAMS)
+    @declare(*SELECT_TABLE_PARAMS, chained=True)
     def global_topk_ids_and_table(scores, seq_lens, topk_idx, block_table, sparse_table,
                                   context_lens, query_len, global_blocks, init_blocks,
                                   local_blocks, page_stride):
+        chain_grids()
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
@@ -388,8 +391,9 @@ def merge_kernel(capacity):
     merge_select = _merge_select(capacity)
 
     @cuda.jit
-    @declare(*MERGE_PARAMS)
+    @declare(*MERGE_PARAMS, chained=True)
     def merge_topk_ids(keys, topk_idx, seq_lens, query_len, init_blocks, local_blocks):
+        chain_grids()
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
@@ -404,10 +408,11 @@ def merge_table_kernel(capacity):
     merge_with_table = _merge_with_table(capacity)
 
     @cuda.jit
-    @declare(*MERGE_TABLE_PARAMS)
+    @declare(*MERGE_TABLE_PARAMS, chained=True)
     def merge_topk_ids_and_table(keys, topk_idx, seq_lens, block_table, sparse_table,
                                  context_lens, query_len, init_blocks, local_blocks,
                                  page_stride):
+        chain_grids()
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)
@@ -443,9 +448,10 @@ def merge_keys_kernel(capacity):
     merge_keys_select = _merge_keys_select(capacity)
 
     @cuda.jit
-    @declare(*MERGE_KEYS_PARAMS)
+    @declare(*MERGE_KEYS_PARAMS, chained=True)
     def merge_topk_keys_to_keys(keys, out, seq_lens, topk, query_len, init_blocks,
                                 local_blocks):
+        chain_grids()
         sel = cuda.shared.array(capacity, int64)
         hist = cuda.shared.array(SCRATCH, int32)
         state = cuda.shared.array(STATE_SLOTS, int64)

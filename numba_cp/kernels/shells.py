@@ -24,7 +24,7 @@ from numba import float32, int64, uint64
 from ..backend import TARGET, cuda
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
 from .params import declare
-from .primitives import WARP_LANES, inline_device
+from .primitives import WARP_LANES, chain_grids, inline_device
 from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
                    MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
@@ -111,9 +111,10 @@ def pack_kernel(sel):
     shared_size = sel.shared_size
     slots = sel.slots
 
-    @declare(*PACK_PARAMS)
+    @declare(*PACK_PARAMS, chained=True)
     def shard_topk_keys(scores, seq_lens, out, topk, rank, world, query_len,
                         global_blocks, init_blocks, local_blocks):
+        chain_grids()
         raw = cuda.local.array(slots, float32)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
@@ -229,9 +230,10 @@ def select_kernel(sel):
     shared_size = sel.shared_size
     slots = sel.slots
 
-    @declare(*SELECT_PARAMS)
+    @declare(*SELECT_PARAMS, chained=True)
     def global_topk_ids(scores, seq_lens, topk_idx, query_len, global_blocks, init_blocks,
                         local_blocks):
+        chain_grids()
         raw = cuda.local.array(slots, float32)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
@@ -254,10 +256,11 @@ def select_table_kernel(sel):
     shared_size = sel.shared_size
     slots = sel.slots
 
-    @declare(*SELECT_TABLE_PARAMS)
+    @declare(*SELECT_TABLE_PARAMS, chained=True)
     def global_topk_ids_and_table(scores, seq_lens, topk_idx, block_table, sparse_table,
                                   context_lens, query_len, global_blocks, init_blocks,
                                   local_blocks, page_stride):
+        chain_grids()
         raw = cuda.local.array(slots, float32)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
@@ -320,8 +323,9 @@ def merge_kernel(sel):
     shared_size = sel.shared_size
     slots = sel.slots
 
-    @declare(*MERGE_PARAMS)
+    @declare(*MERGE_PARAMS, chained=True)
     def merge_topk_ids(keys, topk_idx, seq_lens, query_len, init_blocks, local_blocks):
+        chain_grids()
         raw = cuda.local.array(slots, int64)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
@@ -339,10 +343,11 @@ def merge_table_kernel(sel):
     shared_size = sel.shared_size
     slots = sel.slots
 
-    @declare(*MERGE_TABLE_PARAMS)
+    @declare(*MERGE_TABLE_PARAMS, chained=True)
     def merge_topk_ids_and_table(keys, topk_idx, seq_lens, block_table, sparse_table,
                                  context_lens, query_len, init_blocks, local_blocks,
                                  page_stride):
+        chain_grids()
         raw = cuda.local.array(slots, int64)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)
@@ -384,9 +389,10 @@ def merge_keys_kernel(sel):
     shared_size = sel.shared_size
     slots = sel.slots
 
-    @declare(*MERGE_KEYS_PARAMS)
+    @declare(*MERGE_KEYS_PARAMS, chained=True)
     def merge_topk_keys_to_keys(keys, out, seq_lens, topk, query_len, init_blocks,
                                 local_blocks):
+        chain_grids()
         raw = cuda.local.array(slots, int64)
         v = cuda.local.array(slots, int64)
         t = cuda.local.array(slots, int64)

@@ -1,0 +1,172 @@
+"""Chained launches: a selection kernel may start before the kernel ahead of it ends.
+
+On NVIDIA GPUs of compute capability 9.0 and newer the launcher starts a kernel
+declared ``chained`` with CUDA's programmatic dependent launch, and the kernel's
+first statement, ``chain_grids()``, waits there for the grid before it. A
+chained kernel that touched memory before that wait could read a half-written
+input, so the declaration and the first statement must agree in every kernel.
+"""
+
+import ast
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+import numba_cp
+from numba_cp import _numba, launcher
+from numba_cp import reference as ref
+from numba_cp.backend import TARGET
+from numba_cp.kernels import radix, rank, warp
+
+KERNELS_DIR = os.path.join(os.path.dirname(numba_cp.__file__), "kernels")
+CHAINED = {"pack_kernel", "select_kernel", "select_table_kernel", "merge_kernel",
+           "merge_table_kernel", "merge_keys_kernel"}
+
+
+def _declared_kernels():
+    """``(file, function, chained, first statement)`` of every ``@declare``d function."""
+    found = []
+    for name in sorted(os.listdir(KERNELS_DIR)):
+        if not name.endswith(".py"):
+            continue
+        tree = ast.parse(open(os.path.join(KERNELS_DIR, name)).read())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for decorator in node.decorator_list:
+                if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", "") == "declare":
+                    chained = any(k.arg == "chained" and getattr(k.value, "value", False)
+                                  for k in decorator.keywords)
+                    body = node.body
+                    if (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                            and isinstance(body[0].value.value, str)):
+                        body = body[1:]  # a docstring
+                    found.append((name, node.name, chained, body[0]))
+    return found
+
+
+def _is_chain_grids(statement):
+    return (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)
+            and getattr(statement.value.func, "id", "") == "chain_grids"
+            and not statement.value.args)
+
+
+def test_a_kernel_is_declared_chained_exactly_when_it_opens_with_chain_grids():
+    kernels = _declared_kernels()
+    assert len(kernels) >= 24, kernels  # ten per selection file, four IPC kernels
+    for file, name, chained, first in kernels:
+        assert chained == _is_chain_grids(first), (
+            f"{file}:{name}: declared chained={chained} but its first statement is "
+            f"{ast.unparse(first)!r}")
+    assert sum(chained for _, _, chained, _ in kernels) >= 12
+
+
+def test_nothing_else_calls_chain_grids():
+    """The wait means nothing in a helper: a kernel that reached it late would
+    already have touched memory."""
+    for name in sorted(os.listdir(KERNELS_DIR)):
+        if not name.endswith(".py") or name == "primitives.py":
+            continue
+        tree = ast.parse(open(os.path.join(KERNELS_DIR, name)).read())
+        openers = {id(k) for k in ast.walk(tree) if isinstance(k, ast.FunctionDef)
+                   and k.body and _is_chain_grids(k.body[0])}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and id(node) not in openers:
+                calls = [c for c in ast.walk(node) if isinstance(c, ast.Call)
+                         and getattr(c.func, "id", "") == "chain_grids"]
+                nested = [n for n in ast.walk(node) if isinstance(n, ast.FunctionDef)
+                          and n is not node]
+                inner = {id(c) for n in nested for c in ast.walk(n)}
+                assert not [c for c in calls if id(c) not in inner], f"{name}:{node.name}"
+
+
+@pytest.mark.parametrize("family,shape", [(rank, (16, 2, 2 * TARGET.lanes, 16)),
+                                          (warp, (16, 2, 1)), (radix, (64,))])
+def test_the_selection_kernels_are_chained_and_the_fused_exchange_kernels_are_not(family,
+                                                                                   shape):
+    for factory in ("pack_kernel", "select_kernel", "select_table_kernel", "merge_kernel",
+                    "merge_table_kernel", "merge_keys_kernel", "pack_to_peers_kernel",
+                    "merge_delivered_kernel", "merge_delivered_table_kernel",
+                    "merge_delivered_keys_kernel"):
+        kernel = getattr(family, factory)(*shape)
+        assert _numba.kernel_py_func(kernel).chained == (factory in CHAINED), factory
+
+
+def test_chaining_is_only_ever_on_where_the_gpu_can_chain():
+    previous = launcher.set_chained_launches(True)
+    try:
+        on = launcher.chained_launches()
+        if TARGET.name != "cuda":
+            assert on is False
+        assert launcher.set_chained_launches(False) == on
+        assert launcher.chained_launches() is False
+    finally:
+        launcher.set_chained_launches(None)
+    assert launcher.chained_launches() == (previous if TARGET.name == "cuda" else False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cuda.bindings") is None,
+                    reason="cuda-bindings is not installed (an AMD-only environment)")
+def test_chained_launch_config_asks_for_programmatic_stream_serialization():
+    from cuda.bindings import driver
+
+    config = launcher.chained_launch_config(driver, (64, 4, 1, 256, 1, 1), 0)
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (64, 4, 1)
+    assert (config.blockDimX, config.blockDimY, config.blockDimZ) == (256, 1, 1)
+    assert config.numAttrs == 1 and config.sharedMemBytes == 0
+    attribute, = config.attrs
+    assert attribute.id == (driver.CUlaunchAttributeID
+                            .CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    assert attribute.value.programmaticStreamSerializationAllowed == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chained", [True, False])
+def test_chained_kernels_back_to_back_in_a_graph_see_each_others_finished_writes(chained):
+    """World 1 as pack + merge, eight times in one captured graph, each time on other
+    scores into one keys buffer: a merge that ran ahead of its pack would read the
+    previous pack's keys, and a pack that ran ahead of the merge before it would
+    overwrite the keys that merge reads."""
+    if TARGET.simulator:
+        pytest.skip("graphs and chained launches need a GPU")
+    import cupy
+
+    rounds, heads, tokens, blocks, topk = 8, 4, 64, 256, 16
+    window = dict(query_len=1, init_blocks=1, local_blocks=2)
+    seq = np.full(tokens, blocks * 128, np.int32)
+    seq[1::3] = 100 * 128 + 5
+    host = np.random.default_rng(5).standard_normal(
+        (rounds, heads, tokens, blocks)).astype(np.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    previous = launcher.set_chained_launches(chained)
+    try:
+        with stream:
+            scores, seq_d = cupy.asarray(host), cupy.asarray(seq)
+            keys = cupy.zeros((1, heads, tokens, topk), cupy.int64)
+            idx = cupy.full((rounds, heads, tokens, topk), -7, cupy.int32)
+
+            def exchange(s, r):
+                numba_cp.local_topk_keys(scores[r], seq_d, topk=topk, rank=0, world=1,
+                                         global_blocks=blocks, out=keys[0], stream=s, **window)
+                numba_cp.merge_topk_keys(keys, idx[r], seq_d, stream=s, **window)
+
+            exchange(stream, 0)  # compile outside the capture
+            stream.synchronize()
+            stream.begin_capture()
+            for r in range(rounds):
+                exchange(stream, r)
+            graph = stream.end_capture()
+            for _ in range(3):
+                idx.fill(-7)
+                graph.launch(stream)
+                stream.synchronize()
+                got = idx.get()
+                for r in range(rounds):
+                    want = ref.merge_topk_keys(ref.local_topk_keys(
+                        host[r], seq, topk=topk, rank=0, world=1, global_blocks=blocks,
+                        **window)[None], seq, topk=topk, **window)
+                    np.testing.assert_array_equal(got[r], want, err_msg=f"round {r}")
+    finally:
+        launcher.set_chained_launches(previous)
