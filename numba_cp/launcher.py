@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _numba, _torch, kernel_cache
 from .arrays import FixedView, as_kernel_array, resolve_stream, with_leading_axis
-from .backend import TARGET
+from .backend import TARGET, cuda
 from .kernels.params import Array
 
 __all__ = ["array_signature", "call_signature", "context_token", "KernelLaunch", "LaunchCache",
@@ -150,7 +150,7 @@ def chained_launches() -> bool:
     if chosen is None:
         chosen = _CHAINING[0] = (
             TARGET.name == "cuda" and os.environ.get(CHAINED_ENV, "1").strip() != "0"
-            and _device_chains(int(_driver().cuCtxGetDevice()[1])))
+            and _device_chains(cuda.get_current_device().id))
     return chosen
 
 
@@ -166,11 +166,8 @@ def set_chained_launches(enabled):
 
 
 @lru_cache(maxsize=None)
-def _device_chains(device) -> bool:
-    driver = _driver()
-    _, major = driver.cuDeviceGetAttribute(
-        driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
-    return major >= 9
+def _device_chains(device_id) -> bool:
+    return cuda.get_current_device().compute_capability >= (9, 0)
 
 
 @lru_cache(maxsize=None)
