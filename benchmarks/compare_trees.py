@@ -1,6 +1,6 @@
 """Other checkouts of numba_cp against this one, in one process, on the same arrays.
 
-    NUMBA_CP_BACKEND=cuda python benchmarks/compare_trees.py CHECKOUT [CHECKOUT ...]
+    NUMBA_CP_BACKEND=cuda python benchmarks/compare_trees.py [CHECKOUT ...]
         [--cases a,b,c,d,g] [--repeats 5] [--warm] [--unchained] [--json F]
 
 Kernel times of two trees measured in two processes differ by up to 0.2 µs on
@@ -107,7 +107,7 @@ def unchained(row, trees):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkouts", nargs="+", help="repository roots of the other trees")
+    p.add_argument("checkouts", nargs="*", help="repository roots of the other trees")
     p.add_argument("--cases", default="a,b,c,d,g")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warm", action="store_true", help="compile and launch once, no timing")
