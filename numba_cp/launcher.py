@@ -23,6 +23,7 @@ says which path a launch takes.
 from __future__ import annotations
 
 import os
+import warnings
 from functools import lru_cache
 
 import numpy as np
@@ -163,6 +164,15 @@ def set_chained_launches(enabled):
     if enabled is not None:
         _CHAINING[0] = bool(enabled) and chained_launches()
     return previous
+
+
+def _chaining_refused(status):
+    """The driver refused a chained launch that it took the ordinary way: launch every
+    later one the ordinary way, and say so once."""
+    _CHAINING[0] = False
+    warnings.warn(f"numba_cp: the driver refused a chained kernel launch ({status!r}); "
+                  f"launching the ordinary way from now on (set {CHAINED_ENV}=0 to skip "
+                  f"the attempt)", RuntimeWarning, stacklevel=4)
 
 
 @lru_cache(maxsize=None)
@@ -368,19 +378,28 @@ class _DirectLaunch:
                 self.values[slot] = (pointers[i] if pointers is not None
                                      else objects[i].__cuda_array_interface__["data"][0])
             if self.use_driver:
+                success = self.driver.CUresult.CUDA_SUCCESS
                 try:
+                    status = None
                     if self.chainable and chained_launches():
                         config = self.configs.get(stream) or self._chained_config(stream)
                         (status,) = self.driver.cuLaunchKernelEx(
                             config, self.function, self.params_address, 0)
-                    else:
+                        if status != success:  # an ordinary launch tells whether chaining failed
+                            refused = status
+                            (status,) = self.driver.cuLaunchKernel(
+                                self.function, *self.dims, 0, stream.handle,
+                                self.params_address, 0)
+                            if status == success:
+                                _chaining_refused(refused)
+                    if status is None:
                         (status,) = self.driver.cuLaunchKernel(
                             self.function, *self.dims, 0, stream.handle, self.params_address,
                             0)
                 except (TypeError, ValueError):  # the binding refused the arguments
                     self.use_driver = False
                 else:
-                    if status != self.driver.CUresult.CUDA_SUCCESS:
+                    if status != success:
                         raise RuntimeError(f"kernel launch failed: {status!r}")
                     return
             _numba.launch_with_cuda_core(stream, self.dims, self.cu_kernel, self.values)

@@ -170,3 +170,69 @@ def test_chained_kernels_back_to_back_in_a_graph_see_each_others_finished_writes
                     np.testing.assert_array_equal(got[r], want, err_msg=f"round {r}")
     finally:
         launcher.set_chained_launches(previous)
+
+
+class _Driver:
+    """The two launch calls of cuda.bindings' driver, answering as told."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    def __init__(self, chained_status, ordinary_status=0):
+        self.chained_status, self.ordinary_status = chained_status, ordinary_status
+        self.calls = []
+
+    def cuLaunchKernelEx(self, config, function, params, extra):
+        self.calls.append("chained")
+        return (self.chained_status,)
+
+    def cuLaunchKernel(self, function, *args):
+        self.calls.append("ordinary")
+        return (self.ordinary_status,)
+
+
+def _direct_launch(driver):
+    """A direct launch of a chained kernel with ``driver`` in place of the binding."""
+    import threading
+
+    launch = object.__new__(launcher._DirectLaunch)
+    launch.driver, launch.function, launch.cu_kernel = driver, "function", None
+    launch.dims, launch.params_address, launch.values = (1, 1, 1, 32, 1, 1), 0, []
+    launch.pointer_slots, launch.lock, launch.use_driver = [], threading.Lock(), True
+    stream = type("Stream", (), {"handle": 0})()
+    launch.chainable, launch.configs = True, {stream: "config"}
+    return launch, stream
+
+
+@pytest.fixture
+def chaining_on(monkeypatch):
+    monkeypatch.setattr(launcher, "_CHAINING", [True])
+    monkeypatch.setattr(launcher, "resolve_stream", lambda stream, like: stream)
+
+
+def test_a_refused_chained_launch_is_launched_the_ordinary_way_from_then_on(chaining_on):
+    driver = _Driver(chained_status=801)  # CUDA_ERROR_NOT_SUPPORTED
+    launch, stream = _direct_launch(driver)
+    with pytest.warns(RuntimeWarning, match="refused a chained kernel launch"):
+        launch([None], stream)
+    assert driver.calls == ["chained", "ordinary"]
+    assert launcher.chained_launches() is False
+    launch([None], stream)
+    assert driver.calls == ["chained", "ordinary", "ordinary"]
+
+
+def test_a_launch_that_fails_both_ways_raises_and_keeps_chaining(chaining_on):
+    driver = _Driver(chained_status=700, ordinary_status=700)  # an earlier kernel's fault
+    launch, stream = _direct_launch(driver)
+    with pytest.raises(RuntimeError, match="kernel launch failed: 700"):
+        launch([None], stream)
+    assert launcher.chained_launches() is True
+
+
+def test_a_chained_launch_goes_to_cuLaunchKernelEx_alone(chaining_on):
+    driver = _Driver(chained_status=0)
+    launch, stream = _direct_launch(driver)
+    launch([None], stream)
+    launch.chainable = False  # a kernel that does not open with chain_grids()
+    launch([None], stream)
+    assert driver.calls == ["chained", "ordinary"]
