@@ -151,3 +151,54 @@ def test_ipc_kernels_assemble_for_sm90():
         "ipc_wait_copy[unit=uint64]", "ipc_wait_copy[unit=uint8]", "ipc_wait[ctrl=int64]"], \
         proc.stdout
     assert all(int(line.split()[1]) > 0 for line in proc.stdout.splitlines()), proc.stdout
+
+
+# Every chained kernel (numba_cp.launcher's chained launches) in sm_90 PTX: the first
+# memory instruction that is not a parameter read comes after griddepcontrol.wait, and
+# nvJitLink assembles it; for sm_80, which has no griddepcontrol, the PTX has none.
+_CHAINED = r"""
+import re, sys
+from cuda.bindings import nvjitlink as J
+from numba_cp._numba import stand_in_device
+from numba_cp.backend import cuda
+from numba_cp.compile_check import specialisations
+SHAPES = ("[run=16,slots=2,warps=1]", "[run=16,slots=1,threads=64,chunk=64]",
+          "[cap=16,seq_lens=int32]")
+MEMORY = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|st|atom|red|cp\.async|prefetch)\.(?!param)",
+                    re.M)
+chained = [(label, fn, sig) for label, fn, sig in specialisations()
+           if getattr(fn, "chained", False) and label.endswith(SHAPES)]
+if len(chained) != 18:  # six kernels of each family
+    sys.exit(f"{len(chained)} chained kernels at the checked shapes: "
+             f"{[label for label, _, _ in chained]}")
+for label, fn, sig in chained:
+    with stand_in_device("cuda", compute_capability=(9, 0)):
+        ptx = cuda.compile_ptx(fn, sig, cc=(9, 0))[0]
+    wait = ptx.find("griddepcontrol.wait;")
+    first = MEMORY.search(ptx)
+    if wait < 0 or "griddepcontrol.launch_dependents;" not in ptx:
+        sys.exit(f"{label}: no griddepcontrol in its sm_90 PTX")
+    if first is not None and first.start() < wait:
+        sys.exit(f"{label}: {first.group(0).strip()!r} comes before griddepcontrol.wait")
+    options = ["-arch=sm_90"]
+    h = J.create(len(options), options)
+    J.add_data(h, J.InputType.PTX, ptx.encode(), len(ptx.encode()), label)
+    J.complete(h)
+    J.destroy(h)
+    print(label, "waits first")
+label, fn, sig = chained[0]
+with stand_in_device("cuda", compute_capability=(8, 0)):
+    if "griddepcontrol" in cuda.compile_ptx(fn, sig, cc=(8, 0))[0]:
+        sys.exit(f"{label}: griddepcontrol in its sm_80 PTX")
+print("sm_80: none")
+"""
+
+
+@pytest.mark.timeout(900)
+def test_chained_kernels_wait_before_touching_memory_in_sm90_ptx():
+    proc = run_with_nvvm("-c", _CHAINED, timeout=800)
+    if proc.returncode and "nvjitlink" in proc.stderr.lower() and (
+            "not found" in proc.stderr.lower() or "no module" in proc.stderr.lower()):
+        pytest.skip("libnvJitLink is not loadable")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("waits first") == 18 and "sm_80: none" in proc.stdout, proc.stdout
