@@ -51,6 +51,9 @@ ENVIRONMENT = (
                        "the ranks that share memory)"),
     ("NUMBA_CP_KERNEL_CACHE", "0: compile kernels in every process; a folder: keep compiled "
                               "kernels there (default ~/.cache/numba_cp; CUDA only)"),
+    ("NUMBA_CP_CHAINED_LAUNCH", "0: launch every kernel the ordinary way (default: the "
+                                "pack and the merges may start while the kernel ahead of them "
+                                "ends, on NVIDIA GPUs of compute capability 9.0 and newer)"),
     ("NUMBA_CP_COMPILE_ONLY", "1: load a GPU target without a GPU (compile checks only)"),
     ("NUMBA_CP_LLD", "ld.lld that links AMDGPU code objects (python -m "
                      "numba_cp.compile_check)"),
