@@ -7,7 +7,7 @@ What is looked up is looked up once.
 Two things read it:
 
 * :func:`numba_cp.launcher.array_signature` keys a tensor from its attributes
-  (:func:`signature`): PyTorch builds ``__cuda_array_interface__`` anew, in
+  (``Torch.signature``): PyTorch builds ``__cuda_array_interface__`` anew, in
   Python, on every access.
 * :func:`numba_cp.arrays.resolve_stream` launches a call whose first array is a
   tensor on PyTorch's current stream, where a PyTorch caller queues its work.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["Torch", "found", "signature"]
+__all__ = ["Torch", "found"]
 
 # The typestr and itemsize PyTorch's __cuda_array_interface__ gives each dtype:
 # only the dtypes every PyTorch release maps the same way (bool, bfloat16 and
@@ -38,8 +38,12 @@ class Torch:
         self.typestrs = {getattr(torch, name): value for name, value in _TYPESTRS.items()
                          if hasattr(torch, name)}
         self.current_stream = _current_stream_getter(torch)
-        # what signature() computes, with the table and layout bound once: an eager
-        # call keys up to six tensors
+        # ``signature(tensor)``: ``((typestr, shape, strides, read-only), data pointer)``,
+        # equal to what the tensor's ``__cuda_array_interface__`` gives (which omits
+        # a contiguous tensor's strides, gives pointer 0 for an empty one and is never
+        # read-only); None where the interface would refuse it or its dtype is not in
+        # the table, and the caller reads the interface. The table and layout are bound
+        # once: an eager call keys up to six tensors.
         self.signature = _tensor_signer(self.typestrs, self.strided)
 
 
@@ -70,19 +74,6 @@ def found() -> Torch | None:
             return None
         _FOUND = Torch(torch)
     return _FOUND
-
-
-def signature(tensor, torch: Torch):
-    """``((typestr, shape, strides, read-only), data pointer)`` of a ``torch.Tensor``,
-    equal to what its ``__cuda_array_interface__`` gives; None where that
-    interface would refuse it or uses a dtype not in the table (the caller then
-    reads the interface).
-
-    The interface omits the strides of a contiguous tensor (PyTorch's notion:
-    dimensions of size 1 do not count), gives pointer 0 for an empty one, and
-    is never read-only.
-    """
-    return torch.signature(tensor)
 
 
 def _tensor_signer(typestrs, strided):

@@ -246,7 +246,7 @@ def test_one_tensor_is_one_cache_entry(torch, gpu_keys):
 def test_a_dtype_outside_the_table_takes_the_interface(dtype, torch, gpu_keys):
     base = np.zeros((3, 4), np.uint8 if dtype == "bool" else np.uint16)
     tensor = FakeTensor(base[:, ::2], dtype=DTYPES[dtype])
-    assert _torch.signature(tensor, _torch.found()) is None
+    assert _torch.found().signature(tensor) is None
     reads = FakeTensor.interface_reads
     key, pointer = array_signature(tensor)
     assert FakeTensor.interface_reads == reads + 1
@@ -259,7 +259,7 @@ def test_tensors_the_interface_refuses_are_not_keyed(torch, gpu_keys):
     grad = FakeTensor(_base(), requires_grad=True)
     sparse = FakeTensor(_base(), layout=SPARSE_COO)
     for tensor in (host, grad, sparse):
-        assert _torch.signature(tensor, _torch.found()) is None
+        assert _torch.found().signature(tensor) is None
         assert array_signature(tensor) is None, "validation must see it, every call"
     assert call_signature([FakeTensor(_base()), grad], ()) == (None, None)
 
@@ -546,11 +546,11 @@ def test_real_tensor_keys_equal_their_interface_keys():
              base.to(torch.int64), base.to(torch.float16).transpose(0, 2), base[0, 0, 0]]
     assert type(base) is _torch.found().tensor
     for view in views:
-        assert _torch.signature(view, _torch.found()) is not None, view.shape
+        assert _torch.found().signature(view) is not None, view.shape
         assert array_signature(view) == array_signature(InterfaceOnly(view)), (
             view.shape, view.stride(), view.dtype)
     flags = base > 3
-    assert _torch.signature(flags, _torch.found()) is None
+    assert _torch.found().signature(flags) is None
     assert array_signature(flags) == array_signature(InterfaceOnly(flags))
     grad = torch.zeros((1, 1, 32), device="cuda", requires_grad=True)
     assert array_signature(grad) is None
