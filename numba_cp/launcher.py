@@ -149,9 +149,12 @@ def chained_launches() -> bool:
     """
     chosen = _CHAINING[0]
     if chosen is None:
-        chosen = _CHAINING[0] = (
-            TARGET.name == "cuda" and os.environ.get(CHAINED_ENV, "1").strip() != "0"
-            and _device_chains(cuda.get_current_device().id))
+        setting = os.environ.get(CHAINED_ENV, "").strip()
+        if setting not in ("", "0", "1"):
+            raise ValueError(f"{CHAINED_ENV} must be 0 (ordinary launches) or 1 (chained where "
+                             f"the GPU can), got {setting!r}")
+        chosen = _CHAINING[0] = (TARGET.name == "cuda" and setting != "0"
+                                 and _device_chains(cuda.get_current_device().id))
     return chosen
 
 

@@ -236,3 +236,17 @@ def test_a_chained_launch_goes_to_cuLaunchKernelEx_alone(chaining_on):
     launch.chainable = False  # a kernel that does not open with chain_grids()
     launch([None], stream)
     assert driver.calls == ["chained", "ordinary"]
+
+
+@pytest.mark.parametrize("setting", ["yes", "2", "off"])
+def test_a_chained_launch_setting_other_than_0_or_1_is_refused_by_name(monkeypatch, setting):
+    monkeypatch.setattr(launcher, "_CHAINING", [None])
+    monkeypatch.setenv(launcher.CHAINED_ENV, setting)
+    with pytest.raises(ValueError, match=f"NUMBA_CP_CHAINED_LAUNCH must be 0 .* got '{setting}'"):
+        launcher.chained_launches()
+
+
+def test_chained_launches_0_turns_chaining_off(monkeypatch):
+    monkeypatch.setattr(launcher, "_CHAINING", [None])
+    monkeypatch.setenv(launcher.CHAINED_ENV, "0")
+    assert launcher.chained_launches() is False
