@@ -13,7 +13,9 @@ order, and the scalars, fixed per signature, follow.
 On numba-cuda the cached launch also bypasses Numba's per-call dispatch
 (argument typing and marshalling): the parameter block of the compiled
 specialisation is built once, with a slot for each array's pointer, and handed
-to ``cuLaunchKernel`` (``cuda.core.launch`` if the binding refuses it). That
+to ``cuLaunchKernel`` (``cuda.core.launch`` if the binding refuses it). A
+kernel declared ``chained`` goes to ``cuLaunchKernelEx`` as a programmatic
+dependent launch instead, where :func:`chained_launches` allows it. That
 path reads a few numba-cuda internals (:mod:`numba_cp._numba`); if any is
 missing it warns once and falls back, for that launch, to the portable path
 that every target uses: Numba's own dispatch. :attr:`KernelLaunch.direct`
@@ -382,9 +384,10 @@ class _DirectLaunch:
                                      else objects[i].__cuda_array_interface__["data"][0])
             if self.use_driver:
                 success = self.driver.CUresult.CUDA_SUCCESS
+                chain = self.chainable and chained_launches()  # may refuse the variable
                 try:
                     status = None
-                    if self.chainable and chained_launches():
+                    if chain:
                         config = self.configs.get(stream) or self._chained_config(stream)
                         (status,) = self.driver.cuLaunchKernelEx(
                             config, self.function, self.params_address, 0)

@@ -250,3 +250,14 @@ def test_chained_launches_0_turns_chaining_off(monkeypatch):
     monkeypatch.setattr(launcher, "_CHAINING", [None])
     monkeypatch.setenv(launcher.CHAINED_ENV, "0")
     assert launcher.chained_launches() is False
+
+
+def test_a_bad_setting_is_raised_from_a_launch_not_taken_for_a_refused_binding(monkeypatch):
+    monkeypatch.setattr(launcher, "_CHAINING", [None])
+    monkeypatch.setattr(launcher, "resolve_stream", lambda stream, like: stream)
+    monkeypatch.setenv(launcher.CHAINED_ENV, "on")
+    driver = _Driver(chained_status=0)
+    launch, stream = _direct_launch(driver)
+    with pytest.raises(ValueError, match="NUMBA_CP_CHAINED_LAUNCH"):
+        launch([None], stream)
+    assert launch.use_driver and driver.calls == []

@@ -528,7 +528,7 @@ else:
 
 # Programmatic dependent launch (NVIDIA sm_90 and newer): a kernel launched with
 # the host's chained launch (numba_cp.launcher) may start while the grid before it
-# on the stream still runs. ``chain_grids()`` opens every kernel: it waits until
+# on the stream still runs. ``chain_grids()`` opens every such kernel: it waits until
 # that grid has finished and its writes are visible (a no-op after an ordinary
 # launch), then lets the next chained launch start, so that the next kernel's
 # launch and block placement overlap this one's work instead of following it.
