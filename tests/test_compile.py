@@ -91,6 +91,17 @@ def test_every_kernel_compiles_to_ptx_for_sm90():
     assert len(ipc) == 6 and all(" ok " in line for line in ipc), proc.stdout  # IPC all-gather
 
 
+def run_assembling(code):
+    """``python -c code`` where numba-cuda compiles and nvJitLink assembles (skips if
+    libnvJitLink cannot be loaded); fails the test if it exits non-zero."""
+    proc = run_with_nvvm("-c", code, timeout=800)
+    if proc.returncode and "nvjitlink" in proc.stderr.lower() and (
+            "not found" in proc.stderr.lower() or "no module" in proc.stderr.lower()):
+        pytest.skip("libnvJitLink is not loadable")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
 # The memory-model instructions each IPC kernel must keep after NVVM (the protocol in
 # numba_cp.kernels.ipc relies on them), then ptxas's job done by nvJitLink; the fused
 # exchange's kernels for one shape of each family too.
@@ -133,11 +144,7 @@ with stand_in_device("cuda", compute_capability=(9, 0)):
 @pytest.mark.timeout(900)
 def test_ipc_kernels_assemble_for_sm90():
     """compile_ptx does not run ptxas: nvJitLink turns the PTX into SASS here."""
-    proc = run_with_nvvm("-c", _ASSEMBLE, timeout=800)
-    if proc.returncode and "nvjitlink" in proc.stderr.lower() and (
-            "not found" in proc.stderr.lower() or "no module" in proc.stderr.lower()):
-        pytest.skip("libnvJitLink is not loadable")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_assembling(_ASSEMBLE)
     labels = [line.split()[0] for line in proc.stdout.splitlines()]
     fused = [f"{name}{shape}" for shape, suffix in (
                  ("[run=16,slots=2,warps=1]", "_warp"),
@@ -196,9 +203,5 @@ print("sm_80: none")
 
 @pytest.mark.timeout(900)
 def test_chained_kernels_wait_before_touching_memory_in_sm90_ptx():
-    proc = run_with_nvvm("-c", _CHAINED, timeout=800)
-    if proc.returncode and "nvjitlink" in proc.stderr.lower() and (
-            "not found" in proc.stderr.lower() or "no module" in proc.stderr.lower()):
-        pytest.skip("libnvJitLink is not loadable")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_assembling(_CHAINED)
     assert proc.stdout.count("waits first") == 18 and "sm_80: none" in proc.stdout, proc.stdout
