@@ -155,8 +155,8 @@ def chained_launches() -> bool:
         if setting not in ("", "0", "1"):
             raise ValueError(f"{CHAINED_ENV} must be 0 (ordinary launches) or 1 (chained where "
                              f"the GPU can), got {setting!r}")
-        chosen = _CHAINING[0] = (TARGET.name == "cuda" and setting != "0"
-                                 and _device_chains(cuda.get_current_device().id))
+        chosen = _CHAINING[0] = (TARGET.name == "cuda" and setting != "0" and
+                                 cuda.get_current_device().compute_capability >= (9, 0))
     return chosen
 
 
@@ -178,11 +178,6 @@ def _chaining_refused(status):
     warnings.warn(f"numba_cp: the driver refused a chained kernel launch ({status!r}); "
                   f"launching the ordinary way from now on (set {CHAINED_ENV}=0 to skip "
                   f"the attempt)", RuntimeWarning, stacklevel=4)
-
-
-@lru_cache(maxsize=None)
-def _device_chains(device_id) -> bool:
-    return cuda.get_current_device().compute_capability >= (9, 0)
 
 
 @lru_cache(maxsize=None)
@@ -386,22 +381,19 @@ class _DirectLaunch:
                 success = self.driver.CUresult.CUDA_SUCCESS
                 chain = self.chainable and chained_launches()  # may refuse the variable
                 try:
-                    status = None
+                    refused = None
                     if chain:
                         config = self.configs.get(stream) or self._chained_config(stream)
                         (status,) = self.driver.cuLaunchKernelEx(
                             config, self.function, self.params_address, 0)
-                        if status != success:  # an ordinary launch tells whether chaining failed
-                            refused = status
-                            (status,) = self.driver.cuLaunchKernel(
-                                self.function, *self.dims, 0, stream.handle,
-                                self.params_address, 0)
-                            if status == success:
-                                _chaining_refused(refused)
-                    if status is None:
-                        (status,) = self.driver.cuLaunchKernel(
-                            self.function, *self.dims, 0, stream.handle, self.params_address,
-                            0)
+                        if status == success:
+                            return
+                        refused = status
+                    # After a refused chained launch, this one tells a refusal from a fault.
+                    (status,) = self.driver.cuLaunchKernel(
+                        self.function, *self.dims, 0, stream.handle, self.params_address, 0)
+                    if refused is not None and status == success:
+                        _chaining_refused(refused)
                 except (TypeError, ValueError):  # the binding refused the arguments
                     self.use_driver = False
                 else:
