@@ -15,6 +15,7 @@ on the element's address (relaxed ordering, as CUDA's ``atomicAdd`` is).
 
 import threading
 import time
+from functools import lru_cache
 
 import numpy as np
 from llvmlite import ir
@@ -27,9 +28,10 @@ NAME = TARGET.name
 if NAME != "sim":
     intrinsic, cgutils = _numba.intrinsic_api(NAME)
 
-__all__ = ["inline_device", "float_bits", "bits_as_float64", "shared_atomic_add", "WARP_LANES", "lane_exchange",
-           "lane_value", "lane_read", "lanes_all", "block_any", "flag_load", "flag_store",
-           "fence_system", "spin_pause", "clock_ns", "ctrl_add", "ctrl_cas", "chain_grids"]
+__all__ = ["inline_device", "float_bits", "bits_as_float64", "float64_sign", "shared_atomic_add",
+           "WARP_LANES", "lane_exchange", "lane_value", "lane_read", "lanes_all", "lane_counts",
+           "block_any", "flag_load", "flag_store", "fence_system", "spin_pause", "clock_ns",
+           "ctrl_add", "ctrl_cas", "chain_grids"]
 
 
 def inline_device(fn):
@@ -120,6 +122,34 @@ else:
             return builder.bitcast(args[0], ir.DoubleType())
 
         return types.float64(x), codegen
+
+
+# The sign of a float64 as an int32, 1 when negative: with bits_as_float64, ``a - b``
+# is negative exactly when ``b > a`` (a difference of two finite floats rounds to zero
+# only when they are equal), and one subtraction and one shift-add count it, where a
+# compare's predicate takes a select and an add (sm_90 SASS).
+if NAME == "sim":
+
+    def float64_sign(x):
+        return np.int32(np.float64(x).view(np.uint64) >> np.uint64(63))
+
+else:
+
+    @intrinsic
+    def _float64_high_word(typingctx, x):
+        if x != types.float64:
+            return None
+
+        def codegen(context, builder, sig, args):
+            bits = builder.bitcast(args[0], ir.IntType(64))
+            return builder.trunc(builder.lshr(bits, ir.Constant(ir.IntType(64), 32)),
+                                 ir.IntType(32))
+
+        return types.uint32(x), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def float64_sign(x):
+        return int32(_float64_high_word(x) >> 31)
 
 
 if NAME != "hip":
@@ -253,6 +283,48 @@ else:  # numba-hip has no warp votes (and the simulator none): a butterfly of sh
             mask <<= 1
         return every != 0
 
+
+
+@lru_cache(maxsize=None)
+def lane_counts(bits):
+    """``counts(count, flag, lane) -> (below, total, any_flag)``: ``count`` summed
+    over the warp's lanes below ``lane`` and over all of them, and whether any
+    lane's ``flag`` is set. Each lane's ``count`` is below ``2**bits`` and the
+    warp's sum below ``2**16``.
+
+    On CUDA one vote per bit of ``count`` and a population count: a lane's
+    share of the sum is independent of the others'. Elsewhere (no warp votes)
+    a butterfly of shuffles with the flags above bit 16 of the same word.
+    """
+    if NAME == "cuda":
+
+        @cuda.jit(device=True, inline=True)
+        def counts(count, flag, lane):
+            lower = cuda.lanemask_lt()
+            below = int32(0)
+            total = int32(0)
+            for b in range(bits):
+                votes = cuda.ballot_sync(FULL_MASK, ((count >> b) & 1) != 0)
+                below = int32(below + (int32(cuda.popc(votes & lower)) << b))
+                total = int32(total + (int32(cuda.popc(votes)) << b))
+            return below, total, cuda.any_sync(FULL_MASK, flag)
+
+        return counts
+
+    @cuda.jit(device=True, inline=True)
+    def counts(count, flag, lane):
+        total = int32(count + ((int32(1) if flag else int32(0)) << 16))
+        below = int32(0)
+        mask = 1
+        while mask < WARP_LANES:
+            other = int32(lane_value(total, lane, mask))
+            if lane & mask:
+                below = int32(below + other)
+            total = int32(total + other)
+            mask <<= 1
+        return int32(below & 0xFFFF), int32(total & 0xFFFF), total > 0xFFFF
+
+    return counts
 
 # A block barrier that also votes (the rank family's check that sorted runs are).
 if NAME in ("cuda", "sim"):
