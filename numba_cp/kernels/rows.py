@@ -9,14 +9,14 @@ results go is here.
 
 from functools import lru_cache
 
-from numba import float32, int32, int64, uint64
+from numba import float32, int64, uint64
 
 from ..backend import cuda
 from ..constants import PAGES, SPARSE_BLOCK
 from .ipc import PEER_SLOTS
 from .keys import causal_len_of, quotient, repin_key, score_key, valid_blocks_of
 from .params import INTEGER, Array, scalars
-from .primitives import WARP_LANES, float_bits, inline_device, lane_value
+from .primitives import WARP_LANES, float_bits, inline_device, lane_counts
 
 __all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARAMS",
            "SELECT_PARAMS", "SELECT_TABLE_PARAMS", "PACK_TO_PEERS_PARAMS", "whole_row",
@@ -258,11 +258,12 @@ def table_writer(slots, preloaded=False):
     page_stride``, read while the row was still being selected), and used
     entries are not looked up again. A used full block's output slot is the
     number of full blocks before it: an exclusive scan over the lanes
-    (butterfly, so it needs only xor shuffles); the tail block takes the slot
-    after the last full one.
+    (:func:`~.primitives.lane_counts`); the tail block takes the slot after the
+    last full one.
     """
 
     store_slots = _slots_pages(slots)
+    count_lanes = lane_counts(slots.bit_length())
 
     @inline_device
     def write_sparse_table(blocks, pages, topk, causal_len, request, head, row, block_table,
@@ -273,7 +274,7 @@ def table_writer(slots, preloaded=False):
         # The page lookups go first, all in flight at once, and the scan runs
         # while they travel: they need only the block ids.
         full = int64(0)
-        tail = int64(0)
+        tail = False
         for s in range(slots):
             e = lane * slots + s
             b = blocks[s]
@@ -283,27 +284,18 @@ def table_writer(slots, preloaded=False):
                 if b < self_blk:
                     full += 1
                 else:
-                    tail = 1
-        # One 32-bit shuffle a round: the full blocks (at most 2048) in the low 16
-        # bits, the lanes with the tail block above them.
-        total = int32(full + (tail << 16))
-        before = int32(0)  # the same, summed over the lower lanes
-        mask = 1
-        while mask < WARP_LANES:
-            other = int32(lane_value(total, lane, mask))
-            if lane & mask:
-                before = int32(before + other)
-            total = int32(total + other)
-            mask <<= 1
-        before = int64(before & 0xFFFF)  # full blocks in lower lanes
-        n_full = int64(total & 0xFFFF)
-        tails = int64(1) if total > 0xFFFF else int64(0)
+                    tail = True
+        before, n_full, tailed = count_lanes(full, tail, lane)
+        before = int64(before)  # full blocks in lower lanes
+        n_full = int64(n_full)
+        tails = int64(1) if tailed else int64(0)
         n_used = n_full + tails
         if lane == 0:
             if tails:
-                context_lens[head, row] = n_full * SPARSE_BLOCK + (ctx_len - self_blk * SPARSE_BLOCK)
+                context_lens[uint64(head), uint64(row)] = (
+                    n_full * SPARSE_BLOCK + (ctx_len - self_blk * SPARSE_BLOCK))
             else:
-                context_lens[head, row] = min(n_used * SPARSE_BLOCK, ctx_len)
+                context_lens[uint64(head), uint64(row)] = min(n_used * SPARSE_BLOCK, ctx_len)
         for s in range(slots):
             e = lane * slots + s
             b = blocks[s]
@@ -333,10 +325,10 @@ def _slot_pages(s, slots):
         slot = blocks[s]
         if slot >= 0:
             for p in range(PAGES):
-                sparse_table[head, row, slot * PAGES + p] = pages[s] + p
+                sparse_table[uint64(head), uint64(row), uint64(slot * PAGES + p)] = pages[s] + p
         if n_used <= e < topk:
             for p in range(PAGES):
-                sparse_table[head, row, e * PAGES + p] = 0
+                sparse_table[uint64(head), uint64(row), uint64(e * PAGES + p)] = 0
 
     return store
 
