@@ -28,7 +28,7 @@ NAME = TARGET.name
 if NAME != "sim":
     intrinsic, cgutils = _numba.intrinsic_api(NAME)
 
-__all__ = ["inline_device", "float_bits", "bits_as_float64", "float64_sign", "shared_atomic_add",
+__all__ = ["inline_device", "float_bits", "bits_as_float64", "float64_above", "shared_atomic_add",
            "WARP_LANES", "lane_exchange", "lane_value", "lane_read", "lanes_all", "lane_counts",
            "block_any", "flag_load", "flag_store", "fence_system", "spin_pause", "clock_ns",
            "ctrl_add", "ctrl_cas", "chain_grids"]
@@ -124,16 +124,13 @@ else:
         return types.float64(x), codegen
 
 
-# The sign of a float64 as an int32, 1 when negative: with bits_as_float64, ``a - b``
-# is negative exactly when ``b > a`` (a difference of two finite floats rounds to zero
-# only when they are equal), and one subtraction and one shift-add count it, where a
-# compare's predicate takes a select and an add (sm_90 SASS).
-if NAME == "sim":
-
-    def float64_sign(x):
-        return np.int32(np.float64(x).view(np.uint64) >> np.uint64(63))
-
-else:
+# ``int32(x > bound)`` for float64s from bits_as_float64 (finite, never NaN). On CUDA
+# as the sign bit of ``bound - x``: a difference of two finite floats rounds to zero
+# only when they are equal, so it is negative exactly when ``x > bound``, and a
+# subtraction plus a shift-add is two and a half sm_90 instructions a key where a
+# compare's predicate took a compare, a select and an add. On AMD GPUs a compare's
+# mask feeds an add with carry, two instructions, so HIP (and the simulator) compare.
+if NAME == "cuda":
 
     @intrinsic
     def _float64_high_word(typingctx, x):
@@ -148,8 +145,14 @@ else:
         return types.uint32(x), codegen
 
     @cuda.jit(device=True, inline=True)
-    def float64_sign(x):
-        return int32(_float64_high_word(x) >> 31)
+    def float64_above(x, bound):
+        return int32(_float64_high_word(bound - x) >> 31)
+
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def float64_above(x, bound):
+        return int32(x > bound)
 
 
 if NAME != "hip":

@@ -41,8 +41,8 @@ from functools import lru_cache
 
 from numba import int32, int64, uint64
 
-from ..backend import cuda
-from .primitives import WARP_LANES, bits_as_float64, block_any, float64_sign, inline_device
+from ..backend import TARGET, cuda
+from .primitives import WARP_LANES, bits_as_float64, block_any, float64_above, inline_device
 from .rows import shard_load, shard_load_signed
 from .shells import KERNELS, Selection, kernel_factories
 
@@ -115,13 +115,13 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
         bound = bits_as_float64(mine)
         whole = int32(0)
         for j in range(groups):
-            whole = int32(whole + float64_sign(
-                bound - bits_as_float64(shared[first + uint64(j * group + group - 1)])))
+            whole = int32(whole + float64_above(
+                bits_as_float64(shared[first + uint64(j * group + group - 1)]), bound))
         partial = min(whole, int32(groups - 1))  # past the last group: count the last one
         base = first + uint64(partial * group)
         above = int32(partial * group + (whole - partial))
         for m in range(group - 1):
-            above = int32(above + float64_sign(bound - bits_as_float64(shared[base + uint64(m)])))
+            above = int32(above + float64_above(bits_as_float64(shared[base + uint64(m)]), bound))
         return int64(above)
 
     @inline_device
@@ -222,26 +222,53 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
 @lru_cache(maxsize=None)
 def _count_above(length):
     """``count_above(shared, first, mine)``: keys above ``mine`` among
-    ``shared[first:first + length]``, all of them compared, written out as
-    straight-line code (the compiler left the loop rolled, with narrower
-    shared-memory reads). Each compare is a subtraction whose sign is added
-    (see float64_sign); four 32-bit partial sums keep the adds off one chain."""
+    ``shared[first:first + length]``, all of them compared (independent compares,
+    so they issue back to back), in four 32-bit partial counts: one running count
+    would chain every add on the one before (and Numba would widen a sum to 64 bits).
+
+    On CUDA written out as straight-line code: with float64_above's subtractions
+    the compiler left the loop rolled and read shared memory 8 bytes at a time
+    instead of 16. On AMD GPUs straight-line code had every load hoisted, and
+    registers spilled to scratch (the HIP compile check); there it is a loop.
+    """
+    if TARGET.name != "cuda":
+
+        @inline_device
+        def count_above(shared, first, mine):
+            bound = bits_as_float64(mine)
+            c0 = int32(0)
+            c1 = int32(0)
+            c2 = int32(0)
+            c3 = int32(0)
+            whole = length - (length & 3)
+            for j in range(0, whole, 4):
+                # Unsigned indices: Numba wraps a signed one around for negative values.
+                base = first + uint64(j)
+                c0 = int32(c0 + float64_above(bits_as_float64(shared[base]), bound))
+                c1 = int32(c1 + float64_above(bits_as_float64(shared[base + uint64(1)]), bound))
+                c2 = int32(c2 + float64_above(bits_as_float64(shared[base + uint64(2)]), bound))
+                c3 = int32(c3 + float64_above(bits_as_float64(shared[base + uint64(3)]), bound))
+            for j in range(whole, length):
+                c0 = int32(c0 + float64_above(bits_as_float64(shared[first + uint64(j)]), bound))
+            return int64(int32(int32(c0 + c1) + int32(c2 + c3)))
+
+        return count_above
+
     lines = ["def count_above(shared, first, mine):",
              "    bound = bits_as_float64(mine)"]
     partial = min(4, length)
     for j in range(length):
-        term = f"float64_sign(bound - bits_as_float64(shared[first + uint64({j})]))"
+        term = f"float64_above(bits_as_float64(shared[first + uint64({j})]), bound)"
         if j < partial:
             lines.append(f"    c{j} = {term}")
         else:
             lines.append(f"    c{j % partial} = int32(c{j % partial} + {term})")
     total = " + ".join(f"c{k}" for k in range(partial))
     lines.append(f"    return int64(int32({total}))")
-    namespace = {"bits_as_float64": bits_as_float64, "float64_sign": float64_sign,
+    namespace = {"bits_as_float64": bits_as_float64, "float64_above": float64_above,
                  "uint64": uint64, "int32": int32, "int64": int64}
     exec("\n".join(lines) + "\n", namespace)  # noqa: S102
     return inline_device(namespace["count_above"])
-
 
 # The rank kernels read a shard's scores with signed indices. On the H200, in one
 # process on the same arrays (BENCHMARKS.md, "Small rows, 2026-12-06"), a's pack
