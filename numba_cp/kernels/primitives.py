@@ -28,7 +28,7 @@ NAME = TARGET.name
 if NAME != "sim":
     intrinsic, cgutils = _numba.intrinsic_api(NAME)
 
-__all__ = ["inline_device", "float_bits", "bits_as_float64", "float64_above", "shared_atomic_add",
+__all__ = ["inline_device", "float_bits", "bits_as_float64", "shared_atomic_add",
            "WARP_LANES", "lane_exchange", "lane_value", "lane_read", "lanes_all", "lane_counts",
            "block_any", "flag_load", "flag_store", "fence_system", "spin_pause", "clock_ns",
            "ctrl_add", "ctrl_cas", "chain_grids"]
@@ -122,37 +122,6 @@ else:
             return builder.bitcast(args[0], ir.DoubleType())
 
         return types.float64(x), codegen
-
-
-# ``int32(x > bound)`` for float64s from bits_as_float64 (finite, never NaN). On CUDA
-# as the sign bit of ``bound - x``: a difference of two finite floats rounds to zero
-# only when they are equal, so it is negative exactly when ``x > bound``, and a
-# subtraction plus a shift-add is two and a half sm_90 instructions a key where a
-# compare's predicate took a compare, a select and an add. On AMD GPUs a compare's
-# mask feeds an add with carry, two instructions, so HIP (and the simulator) compare.
-if NAME == "cuda":
-
-    @intrinsic
-    def _float64_high_word(typingctx, x):
-        if x != types.float64:
-            return None
-
-        def codegen(context, builder, sig, args):
-            bits = builder.bitcast(args[0], ir.IntType(64))
-            return builder.trunc(builder.lshr(bits, ir.Constant(ir.IntType(64), 32)),
-                                 ir.IntType(32))
-
-        return types.uint32(x), codegen
-
-    @cuda.jit(device=True, inline=True)
-    def float64_above(x, bound):
-        return int32(_float64_high_word(bound - x) >> 31)
-
-else:
-
-    @cuda.jit(device=True, inline=True)
-    def float64_above(x, bound):
-        return int32(x > bound)
 
 
 if NAME != "hip":

@@ -41,8 +41,8 @@ from functools import lru_cache
 
 from numba import int32, int64, uint64
 
-from ..backend import TARGET, cuda
-from .primitives import WARP_LANES, bits_as_float64, block_any, float64_above, inline_device
+from ..backend import cuda
+from .primitives import WARP_LANES, bits_as_float64, block_any, inline_device
 from .rows import shard_load, shard_load_signed
 from .shells import KERNELS, Selection, kernel_factories
 
@@ -102,7 +102,28 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
             if i < room:
                 raw[s] = load(src, place, i)
 
-    count_above = _count_above(chunk)
+    @inline_device
+    def count_above(shared, first, length, mine):
+        """Keys above ``mine`` among ``shared[first:first + length]``, all of them
+        compared (independent compares, so they issue back to back)."""
+        bound = bits_as_float64(mine)  # one compare per key (see bits_as_float64)
+        # Four 32-bit partial counts: one running count would chain every compare's
+        # add on the one before (and Numba would widen a sum to 64 bits).
+        c0 = int32(0)
+        c1 = int32(0)
+        c2 = int32(0)
+        c3 = int32(0)
+        whole = length - (length & 3)
+        for j in range(0, whole, 4):
+            # Unsigned indices: Numba wraps a signed one around for negative values.
+            base = first + uint64(j)
+            c0 = int32(c0 + int32(bits_as_float64(shared[base]) > bound))
+            c1 = int32(c1 + int32(bits_as_float64(shared[base + uint64(1)]) > bound))
+            c2 = int32(c2 + int32(bits_as_float64(shared[base + uint64(2)]) > bound))
+            c3 = int32(c3 + int32(bits_as_float64(shared[base + uint64(3)]) > bound))
+        for j in range(whole, length):
+            c0 = int32(c0 + int32(bits_as_float64(shared[first + uint64(j)]) > bound))
+        return int64(int32(int32(c0 + c1) + int32(c2 + c3)))
 
     @inline_device
     def search_above(shared, first, mine):
@@ -115,13 +136,13 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
         bound = bits_as_float64(mine)
         whole = int32(0)
         for j in range(groups):
-            whole = int32(whole + float64_above(
-                bits_as_float64(shared[first + uint64(j * group + group - 1)]), bound))
+            whole = int32(whole + int32(
+                bits_as_float64(shared[first + uint64(j * group + group - 1)]) > bound))
         partial = min(whole, int32(groups - 1))  # past the last group: count the last one
         base = first + uint64(partial * group)
         above = int32(partial * group + (whole - partial))
         for m in range(group - 1):
-            above = int32(above + float64_above(bits_as_float64(shared[base + uint64(m)]), bound))
+            above = int32(above + int32(bits_as_float64(shared[base + uint64(m)]) > bound))
         return int64(above)
 
     @inline_device
@@ -133,7 +154,8 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
         for s in range(slots):
             i = s * threads + tid
             mine = shared[uint64(source + i)]
-            place = count_above(shared, uint64(source + ((i >> log_chunk) << log_chunk)), mine)
+            place = count_above(shared, uint64(source + ((i >> log_chunk) << log_chunk)), chunk,
+                                mine)
             acc[s] = mine
             v[s] = place
             if chunks > 1 and place < run:  # one chunk: the places are final
@@ -218,57 +240,6 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
 
     return prefetch, rank_topk
 
-
-@lru_cache(maxsize=None)
-def _count_above(length):
-    """``count_above(shared, first, mine)``: keys above ``mine`` among
-    ``shared[first:first + length]``, all of them compared (independent compares,
-    so they issue back to back), in four 32-bit partial counts: one running count
-    would chain every add on the one before (and Numba would widen a sum to 64 bits).
-
-    On CUDA written out as straight-line code: with float64_above's subtractions
-    the compiler left the loop rolled and read shared memory 8 bytes at a time
-    instead of 16. On AMD GPUs straight-line code had every load hoisted, and
-    registers spilled to scratch (the HIP compile check); there it is a loop.
-    """
-    if TARGET.name != "cuda":
-
-        @inline_device
-        def count_above(shared, first, mine):
-            bound = bits_as_float64(mine)
-            c0 = int32(0)
-            c1 = int32(0)
-            c2 = int32(0)
-            c3 = int32(0)
-            whole = length - (length & 3)
-            for j in range(0, whole, 4):
-                # Unsigned indices: Numba wraps a signed one around for negative values.
-                base = first + uint64(j)
-                c0 = int32(c0 + float64_above(bits_as_float64(shared[base]), bound))
-                c1 = int32(c1 + float64_above(bits_as_float64(shared[base + uint64(1)]), bound))
-                c2 = int32(c2 + float64_above(bits_as_float64(shared[base + uint64(2)]), bound))
-                c3 = int32(c3 + float64_above(bits_as_float64(shared[base + uint64(3)]), bound))
-            for j in range(whole, length):
-                c0 = int32(c0 + float64_above(bits_as_float64(shared[first + uint64(j)]), bound))
-            return int64(int32(int32(c0 + c1) + int32(c2 + c3)))
-
-        return count_above
-
-    lines = ["def count_above(shared, first, mine):",
-             "    bound = bits_as_float64(mine)"]
-    partial = min(4, length)
-    for j in range(length):
-        term = f"float64_above(bits_as_float64(shared[first + uint64({j})]), bound)"
-        if j < partial:
-            lines.append(f"    c{j} = {term}")
-        else:
-            lines.append(f"    c{j % partial} = int32(c{j % partial} + {term})")
-    total = " + ".join(f"c{k}" for k in range(partial))
-    lines.append(f"    return int64(int32({total}))")
-    namespace = {"bits_as_float64": bits_as_float64, "float64_above": float64_above,
-                 "uint64": uint64, "int32": int32, "int64": int64}
-    exec("\n".join(lines) + "\n", namespace)  # noqa: S102
-    return inline_device(namespace["count_above"])
 
 # The rank kernels read a shard's scores with signed indices. On the H200, in one
 # process on the same arrays (BENCHMARKS.md, "Small rows, 2026-12-06"), a's pack
