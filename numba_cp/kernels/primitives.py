@@ -177,15 +177,15 @@ if NAME == "sim":
         dst[:count] = lane_read(np.array(src[:count]), lane, lane ^ lane_mask)
 
     def lane_value(value, lane, lane_mask):
-        """Lane ``lane ^ lane_mask``'s ``value``."""
-        return lane_read(value, lane, lane ^ lane_mask)
+        """Lane ``lane ^ lane_mask``'s int32 ``value``."""
+        return np.int32(lane_read(np.int32(value), lane, lane ^ lane_mask))
 
 elif NAME == "cuda":
     FULL_MASK = 0xFFFFFFFF
 
     @cuda.jit(device=True, inline=True)
     def lane_value(value, lane, lane_mask):
-        return cuda.shfl_xor_sync(FULL_MASK, value, lane_mask)
+        return cuda.shfl_xor_sync(FULL_MASK, int32(value), lane_mask)
 
     @cuda.jit(device=True, inline=True)
     def lane_exchange(src, dst, count, lane, lane_mask):
@@ -224,7 +224,7 @@ elif NAME == "hip":
 
     @cuda.jit(device=True, inline=True)
     def lane_value(value, lane, lane_mask):
-        return _read_lane(int64(value), lane ^ lane_mask)
+        return _ds_bpermute(int32((lane ^ lane_mask) << 2), int32(value))  # one word: one permute
 
     @cuda.jit(device=True, inline=True)
     def lane_exchange(src, dst, count, lane, lane_mask):
@@ -251,7 +251,7 @@ else:  # numba-hip has no warp votes (and the simulator none): a butterfly of sh
         every = int32(1) if flag else int32(0)
         mask = 1
         while mask < WARP_LANES:
-            every &= lane_value(every, lane, mask)
+            every = int32(every & lane_value(every, lane, mask))
             mask <<= 1
         return every != 0
 
