@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 from llvmlite import ir
-from numba import int32, int64, types
+from numba import int32, int64, types, uint64
 
 from .. import _numba
 from ..backend import TARGET, cuda
@@ -235,6 +235,52 @@ elif NAME == "hip":
     def lane_read(value, lane, source_lane):
         return _read_lane(int64(value), source_lane)
 
+    # numba-hip has no warp votes: the wavefront's ballot (a 64-bit mask, one bit a
+    # lane), the set bits of the lanes below this one (mbcnt, as HIP's
+    # __lane_id does), and a population count, as LLVM intrinsics.
+    @intrinsic
+    def _ballot(typingctx, flag):
+        if not isinstance(flag, types.Boolean):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ballot = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.IntType(64), [ir.IntType(1)]),
+                "llvm.amdgcn.ballot.i64")
+            return builder.call(ballot, [args[0]])
+
+        return types.uint64(flag), codegen
+
+    @intrinsic
+    def _set_bits_below(typingctx, mask):
+        if mask != types.uint64:
+            return None
+
+        def codegen(context, builder, sig, args):
+            word = ir.IntType(32)
+            kind = ir.FunctionType(word, [word, word])
+            low = cgutils.get_or_insert_function(builder.module, kind, "llvm.amdgcn.mbcnt.lo")
+            high = cgutils.get_or_insert_function(builder.module, kind, "llvm.amdgcn.mbcnt.hi")
+            mask = args[0]
+            below_low = builder.call(low, [builder.trunc(mask, word), ir.Constant(word, 0)])
+            upper = builder.trunc(builder.lshr(mask, ir.Constant(ir.IntType(64), 32)), word)
+            return builder.call(high, [upper, below_low])
+
+        return types.int32(mask), codegen
+
+    @intrinsic
+    def _set_bits(typingctx, mask):
+        if mask != types.uint64:
+            return None
+
+        def codegen(context, builder, sig, args):
+            wide = ir.IntType(64)
+            ctpop = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(wide, [wide]), "llvm.ctpop.i64")
+            return builder.trunc(builder.call(ctpop, [args[0]]), ir.IntType(32))
+
+        return types.int32(mask), codegen
+
 
 if NAME == "cuda":
 
@@ -265,8 +311,10 @@ def lane_counts(bits):
     warp's sum below ``2**16``.
 
     On CUDA one vote per bit of ``count`` and a population count: a lane's
-    share of the sum is independent of the others'. Elsewhere (no warp votes)
-    a butterfly of shuffles with the flags above bit 16 of the same word.
+    share of the sum is independent of the others'; on HIP the same with the
+    wavefront's ballot and ``mbcnt`` (compiled for gfx90a and gfx942, not run on
+    an AMD GPU here). In the simulator a butterfly of shuffles with the flags
+    above bit 16 of the same word.
     """
     if NAME == "cuda":
 
@@ -280,6 +328,20 @@ def lane_counts(bits):
                 below = int32(below + (int32(cuda.popc(votes & lower)) << b))
                 total = int32(total + (int32(cuda.popc(votes)) << b))
             return below, total, cuda.any_sync(FULL_MASK, flag)
+
+        return counts
+
+    if NAME == "hip":
+
+        @cuda.jit(device=True, inline=True)
+        def counts(count, flag, lane):
+            below = int32(0)
+            total = int32(0)
+            for b in range(bits):
+                votes = _ballot(((count >> b) & 1) != 0)
+                below = int32(below + (_set_bits_below(votes) << b))
+                total = int32(total + (_set_bits(votes) << b))
+            return below, total, _ballot(flag) != uint64(0)
 
         return counts
 
