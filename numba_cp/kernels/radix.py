@@ -314,8 +314,11 @@ def _ids_table_writer(capacity):
                         sparse_table, context_lens):
         lane = cuda.threadIdx.x
         if lane < WARP_LANES:
-            blocks = cuda.local.array(slots, int64)
-            pages = cuda.local.array(slots, int64)
+            # 32-bit: the table holds int32 page ids, so only the low 32 bits of a page
+            # ever reach it; at sort tile 2048 (32 slots a lane) int64 arrays took 128
+            # registers a lane and spilled.
+            blocks = cuda.local.array(slots, int32)
+            pages = cuda.local.array(slots, int32)
             for s in range(slots):
                 e = lane * slots + s
                 blocks[s] = sel[e] if e < topk else int64(-1)
