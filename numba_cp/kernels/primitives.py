@@ -251,36 +251,39 @@ elif NAME == "hip":
 
         return types.uint64(flag), codegen
 
-    @intrinsic
-    def _set_bits_below(typingctx, mask):
-        if mask != types.uint64:
-            return None
+    def _mask_to_int32(emit):
+        """An intrinsic of a ballot's uint64 mask whose int32 value ``emit(builder,
+        mask)`` builds."""
 
-        def codegen(context, builder, sig, args):
-            word = ir.IntType(32)
-            kind = ir.FunctionType(word, [word, word])
-            low = cgutils.get_or_insert_function(builder.module, kind, "llvm.amdgcn.mbcnt.lo")
-            high = cgutils.get_or_insert_function(builder.module, kind, "llvm.amdgcn.mbcnt.hi")
-            mask = args[0]
-            below_low = builder.call(low, [builder.trunc(mask, word), ir.Constant(word, 0)])
-            upper = builder.trunc(builder.lshr(mask, ir.Constant(ir.IntType(64), 32)), word)
-            return builder.call(high, [upper, below_low])
+        @intrinsic
+        def of_mask(typingctx, mask):
+            if mask != types.uint64:
+                return None
 
-        return types.int32(mask), codegen
+            def codegen(context, builder, sig, args):
+                return emit(builder, args[0])
 
-    @intrinsic
-    def _set_bits(typingctx, mask):
-        if mask != types.uint64:
-            return None
+            return types.int32(mask), codegen
 
-        def codegen(context, builder, sig, args):
-            wide = ir.IntType(64)
-            ctpop = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(wide, [wide]), "llvm.ctpop.i64")
-            return builder.trunc(builder.call(ctpop, [args[0]]), ir.IntType(32))
+        return of_mask
 
-        return types.int32(mask), codegen
+    def _emit_set_bits_below(builder, mask):
+        word = ir.IntType(32)
+        kind = ir.FunctionType(word, [word, word])
+        low = cgutils.get_or_insert_function(builder.module, kind, "llvm.amdgcn.mbcnt.lo")
+        high = cgutils.get_or_insert_function(builder.module, kind, "llvm.amdgcn.mbcnt.hi")
+        below_low = builder.call(low, [builder.trunc(mask, word), ir.Constant(word, 0)])
+        upper = builder.trunc(builder.lshr(mask, ir.Constant(ir.IntType(64), 32)), word)
+        return builder.call(high, [upper, below_low])
 
+    def _emit_set_bits(builder, mask):
+        wide = ir.IntType(64)
+        ctpop = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(wide, [wide]), "llvm.ctpop.i64")
+        return builder.trunc(builder.call(ctpop, [mask]), ir.IntType(32))
+
+    _set_bits_below = _mask_to_int32(_emit_set_bits_below)
+    _set_bits = _mask_to_int32(_emit_set_bits)
 
 if NAME == "cuda":
 
@@ -289,7 +292,14 @@ if NAME == "cuda":
         """Whether ``flag`` holds in every lane of the warp (one vote)."""
         return cuda.all_sync(FULL_MASK, flag)
 
-else:  # numba-hip has no warp votes (and the simulator none): a butterfly of shuffles
+elif NAME == "hip":
+
+    @cuda.jit(device=True, inline=True)
+    def lanes_all(flag, lane):
+        """Whether ``flag`` holds in every lane of the wavefront (one ballot)."""
+        return _ballot(not flag) == uint64(0)
+
+else:  # the simulator has no warp votes: a butterfly of shuffles
 
     @cuda.jit(device=True, inline=True)
     def lanes_all(flag, lane):
