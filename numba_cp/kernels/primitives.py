@@ -285,6 +285,7 @@ elif NAME == "hip":
     _set_bits_below = _mask_to_int32(_emit_set_bits_below)
     _set_bits = _mask_to_int32(_emit_set_bits)
 
+
 if NAME == "cuda":
 
     @cuda.jit(device=True, inline=True)
@@ -310,7 +311,6 @@ else:  # the simulator has no warp votes: a butterfly of shuffles
             every = int32(every & lane_value(every, lane, mask))
             mask <<= 1
         return every != 0
-
 
 
 @lru_cache(maxsize=None)
@@ -369,6 +369,7 @@ def lane_counts(bits):
         return int32(below & 0xFFFF), int32(total & 0xFFFF), total > 0xFFFF
 
     return counts
+
 
 # A block barrier that also votes (the rank family's check that sorted runs are).
 if NAME in ("cuda", "sim"):
