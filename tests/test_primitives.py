@@ -6,8 +6,9 @@ A one-warp kernel checks the active backend's against a NumPy prefix sum.
 import numpy as np
 import pytest
 
-from numba_cp.backend import TARGET, cuda
+from numba_cp.backend import cuda
 from numba_cp.kernels.primitives import WARP_LANES, lane_counts
+from support import to_device, to_host
 
 
 def _counts_kernel(bits):
@@ -24,18 +25,6 @@ def _counts_kernel(bits):
     return lane_counts_of
 
 
-def _device(array):
-    if TARGET.simulator:
-        return array
-    import cupy
-
-    return cupy.asarray(array)
-
-
-def _host(array):
-    return array if isinstance(array, np.ndarray) else array.get()
-
-
 @pytest.mark.parametrize("bits", [1, 3, 5])
 @pytest.mark.parametrize("flags", ["none", "one", "many"])
 def test_lane_counts_are_a_prefix_sum(bits, flags):
@@ -47,9 +36,9 @@ def test_lane_counts_are_a_prefix_sum(bits, flags):
         flag[WARP_LANES - 1] = 1
     elif flags == "many":
         flag[rng.integers(0, WARP_LANES, 3)] = 1
-    outputs = [_device(np.full(WARP_LANES, -7, np.int64)) for _ in range(3)]
-    _counts_kernel(bits)[1, WARP_LANES](_device(count), _device(flag), *outputs)
-    below, total, any_flag = map(_host, outputs)
+    outputs = [to_device(np.full(WARP_LANES, -7, np.int64)) for _ in range(3)]
+    _counts_kernel(bits)[1, WARP_LANES](to_device(count), to_device(flag), *outputs)
+    below, total, any_flag = map(to_host, outputs)
     np.testing.assert_array_equal(below, np.cumsum(count) - count)
     np.testing.assert_array_equal(total, np.full(WARP_LANES, count.sum()))
     np.testing.assert_array_equal(any_flag, np.full(WARP_LANES, int(flag.any())))
