@@ -29,7 +29,7 @@ if NAME != "sim":
     intrinsic, cgutils = _numba.intrinsic_api(NAME)
 
 __all__ = ["inline_device", "float_bits", "bits_as_float64", "shared_atomic_add",
-           "WARP_LANES", "lane_exchange", "lane_value", "lane_read", "lanes_all", "lane_counts",
+           "WARP_LANES", "lane_exchange", "lane_read", "lanes_all", "lane_counts",
            "block_any", "flag_load", "flag_store", "fence_system", "spin_pause", "clock_ns",
            "ctrl_add", "ctrl_cas", "chain_grids"]
 
@@ -176,16 +176,12 @@ if NAME == "sim":
         """``dst[s]`` = lane ``lane ^ lane_mask``'s ``src[s]`` for ``s < count``."""
         dst[:count] = lane_read(np.array(src[:count]), lane, lane ^ lane_mask)
 
-    def lane_value(value, lane, lane_mask):
-        """Lane ``lane ^ lane_mask``'s int32 ``value``."""
+    def _lane_value(value, lane, lane_mask):
+        """Lane ``lane ^ lane_mask``'s int32 ``value`` (lane_counts' butterfly)."""
         return np.int32(lane_read(np.int32(value), lane, lane ^ lane_mask))
 
 elif NAME == "cuda":
     FULL_MASK = 0xFFFFFFFF
-
-    @cuda.jit(device=True, inline=True)
-    def lane_value(value, lane, lane_mask):
-        return cuda.shfl_xor_sync(FULL_MASK, int32(value), lane_mask)
 
     @cuda.jit(device=True, inline=True)
     def lane_exchange(src, dst, count, lane, lane_mask):
@@ -221,10 +217,6 @@ elif NAME == "hip":
         low = _ds_bpermute(address, int32(value & 0xFFFFFFFF))
         high = _ds_bpermute(address, int32(value >> 32))
         return (int64(high) << 32) | (int64(low) & 0xFFFFFFFF)
-
-    @cuda.jit(device=True, inline=True)
-    def lane_value(value, lane, lane_mask):
-        return _ds_bpermute(int32((lane ^ lane_mask) << 2), int32(value))  # one word: one permute
 
     @cuda.jit(device=True, inline=True)
     def lane_exchange(src, dst, count, lane, lane_mask):
@@ -300,17 +292,11 @@ elif NAME == "hip":
         """Whether ``flag`` holds in every lane of the wavefront (one ballot)."""
         return _ballot(not flag) == uint64(0)
 
-else:  # the simulator has no warp votes: a butterfly of shuffles
+else:  # the simulator has no warp votes: lane_counts' butterfly counts the lanes
 
-    @cuda.jit(device=True, inline=True)
     def lanes_all(flag, lane):
         """Whether ``flag`` holds in every lane of the warp."""
-        every = int32(1) if flag else int32(0)
-        mask = 1
-        while mask < WARP_LANES:
-            every = int32(every & lane_value(every, lane, mask))
-            mask <<= 1
-        return every != 0
+        return lane_counts(1)(0 if flag else 1, False, lane)[1] == 0
 
 
 @lru_cache(maxsize=None)
@@ -361,7 +347,7 @@ def lane_counts(bits):
         below = int32(0)
         mask = 1
         while mask < WARP_LANES:
-            other = int32(lane_value(total, lane, mask))
+            other = int32(_lane_value(total, lane, mask))
             if lane & mask:
                 below = int32(below + other)
             total = int32(total + other)
