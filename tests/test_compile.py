@@ -174,8 +174,8 @@ SHAPES = ("[run=16,slots=2,warps=1]", "[run=16,slots=1,threads=64,chunk=64]",
 MEMORY = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|st|atom|red|cp\.async|prefetch)\.(?!param)",
                     re.M)
 chained = [(label, fn, sig) for label, fn, sig in specialisations()
-           if getattr(fn, "chained", False) and label.endswith(SHAPES)]
-if len(chained) != 18:  # six kernels of each family
+           if getattr(fn, "chained", False) and (label.endswith(SHAPES) or label.startswith("ipc_"))]
+if len(chained) != 36:  # ten kernels of each family, six IPC specialisations
     sys.exit(f"{len(chained)} chained kernels at the checked shapes: "
              f"{[label for label, _, _ in chained]}")
 for label, fn, sig in chained:
@@ -204,4 +204,4 @@ print("sm_80: none")
 @pytest.mark.timeout(900)
 def test_chained_kernels_wait_before_touching_memory_in_sm90_ptx():
     proc = run_assembling(_CHAINED)
-    assert proc.stdout.count("waits first") == 18 and "sm_80: none" in proc.stdout, proc.stdout
+    assert proc.stdout.count("waits first") == 36 and "sm_80: none" in proc.stdout, proc.stdout

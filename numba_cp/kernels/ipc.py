@@ -126,8 +126,8 @@ from numba import int64
 
 from ..backend import cuda
 from .params import WORD, Array, declare, scalars
-from .primitives import (clock_ns, ctrl_add, ctrl_cas, fence_system, flag_load, flag_store,
-                         spin_pause)
+from .primitives import (chain_grids, clock_ns, ctrl_add, ctrl_cas, fence_system, flag_load,
+                         flag_store, spin_pause)
 
 __all__ = [
     "EPOCH", "COUNTER", "ERR_EPOCH", "ERR_PEER", "CTRL_WORDS", "GROUP",
@@ -187,9 +187,10 @@ _slot_base = cuda.jit(device=True, inline=True)(slot_base)
 
 
 @cuda.jit
-@declare(*BUMP_PARAMS)
+@declare(*BUMP_PARAMS, chained=True)
 def ipc_bump_kernel(ctrl):
     """``ctrl[EPOCH] += 1``: the next call's epoch (one thread)."""
+    chain_grids()
     if cuda.threadIdx.x == 0 and cuda.blockIdx.x == 0:
         ctrl[EPOCH] = ctrl[EPOCH] + 1
 
@@ -243,7 +244,7 @@ def _store_to(p, f0, f1, f2, f3, f4, f5, f6, f7, index, value):
 
 
 @cuda.jit
-@declare(*PUSH_PARAMS)
+@declare(*PUSH_PARAMS, chained=True)
 def ipc_push_kernel(ctrl, send, count, slot, world, rank, npeers,
                     d0, d1, d2, d3, d4, d5, d6, d7, f0, f1, f2, f3, f4, f5, f6, f7):
     """Deliver ``send`` (``count`` elements) to ``npeers <= GROUP`` peers.
@@ -251,6 +252,7 @@ def ipc_push_kernel(ctrl, send, count, slot, world, rank, npeers,
     Grid ``(blocks, npeers)``: ``blockIdx.y`` picks the peer, whose data area
     is ``d<y>`` and flag area ``f<y>`` (unused ones may repeat any array).
     """
+    chain_grids()
     tid = cuda.threadIdx.x
     p = cuda.blockIdx.y
     e = ctrl[EPOCH]
@@ -302,9 +304,10 @@ def _wait_all(ctrl, flags, errors, world, e, timeout_ns):
 
 
 @cuda.jit
-@declare(*WAIT_COPY_PARAMS)
+@declare(*WAIT_COPY_PARAMS, chained=True)
 def ipc_wait_copy_kernel(ctrl, flags, data, recv, errors, count, slot, world, timeout_ns):
     """Wait for every peer's payload of this call, then ``data[e & 1] -> recv``."""
+    chain_grids()
     tid = cuda.threadIdx.x
     e = ctrl[EPOCH]
     if tid == 0:
@@ -430,10 +433,11 @@ def await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait):
 
 
 @cuda.jit
-@declare(*WAIT_PARAMS)
+@declare(*WAIT_PARAMS, chained=True)
 def ipc_wait_kernel(ctrl, flags, errors, world, timeout_ns):
     """One thread waits until every rank delivered this call; the merge after it on
     the stream reads in place without waiting (``block_wait=0``)."""
+    chain_grids()
     if cuda.threadIdx.x == 0 and cuda.blockIdx.x == 0:
         _wait_all(ctrl, flags, errors, world, ctrl[EPOCH], timeout_ns)
         fence_system()

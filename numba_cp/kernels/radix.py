@@ -228,11 +228,12 @@ def pack_to_peers_kernel(capacity):
     block_topk = make_block_topk(shard_candidate_key, capacity)
 
     @cuda.jit
-    @declare(*PACK_TO_PEERS_PARAMS)
+    @declare(*PACK_TO_PEERS_PARAMS, chained=True)
     def shard_topk_keys_to_peers(scores, seq_lens, ctrl, peer0, peer1, peer2, peer3, peer4,
                                  peer5, peer6, peer7, topk, rank, world, query_len,
                                  global_blocks, init_blocks, local_blocks, data_start, slot,
                                  peer_rank, npeers):
+        chain_grids()
         epoch_box = cuda.shared.array(1, int64)
         epoch = open_delivery(ctrl, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7,
                               npeers, peer_rank, epoch_box)
@@ -470,9 +471,10 @@ def merge_delivered_keys_kernel(capacity):
     merge_keys_select = _merge_keys_select(capacity)
 
     @cuda.jit
-    @declare(*MERGE_DELIVERED_KEYS_PARAMS)
+    @declare(*MERGE_DELIVERED_KEYS_PARAMS, chained=True)
     def merge_delivered_topk_keys(keys, out, seq_lens, ctrl, flags, errors, topk, query_len,
                                   init_blocks, local_blocks, timeout_ns, block_wait):
+        chain_grids()
         world = keys.shape[0] >> 1
         first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
         sel = cuda.shared.array(capacity, int64)
@@ -489,9 +491,10 @@ def merge_delivered_kernel(capacity):
     merge_select = _merge_select(capacity)
 
     @cuda.jit
-    @declare(*MERGE_DELIVERED_PARAMS)
+    @declare(*MERGE_DELIVERED_PARAMS, chained=True)
     def merge_delivered_topk_ids(keys, topk_idx, seq_lens, ctrl, flags, errors, query_len,
                                  init_blocks, local_blocks, timeout_ns, block_wait):
+        chain_grids()
         world = keys.shape[0] >> 1
         first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
         sel = cuda.shared.array(capacity, int64)
@@ -508,11 +511,12 @@ def merge_delivered_table_kernel(capacity):
     merge_with_table = _merge_with_table(capacity)
 
     @cuda.jit
-    @declare(*MERGE_DELIVERED_TABLE_PARAMS)
+    @declare(*MERGE_DELIVERED_TABLE_PARAMS, chained=True)
     def merge_delivered_topk_ids_and_table(keys, topk_idx, seq_lens, ctrl, flags, errors,
                                            block_table, sparse_table, context_lens, query_len,
                                            init_blocks, local_blocks, page_stride, timeout_ns,
                                            block_wait):
+        chain_grids()
         world = keys.shape[0] >> 1
         first = await_delivery(ctrl, flags, errors, world, timeout_ns, block_wait)
         sel = cuda.shared.array(capacity, int64)
