@@ -11,7 +11,8 @@ warp per row: loads independent of seq_lens (``floor_indep``: bench_kernels.py's
 floor probe), score loads that wait for seq_lens (``floor_dep``), and the same after
 two int64 divisions (``floor_div64``); the floor with a parameter block about
 as large as the merge + table kernel's, seven more 3-D arrays and four scalars
-(``floor_wide``); and with blocks of 64 and 128 threads that
+(``floor_wide``), the same reading a word from every line of that block
+(``floor_wide_read``); and with blocks of 64 and 128 threads that
 trade their loads through shared memory across one barrier (``floor_barrier64``,
 ``floor_barrier128``), as the rank kernels' blocks do. Their differences price a
 dependent memory round trip, a division chain and a block barrier in the kernels'
@@ -94,14 +95,28 @@ def probe_kernels():
         # (Numba passes a 3-D array as 11 words): what the block itself costs.
         read_row_write_row(scores, seq_lens, out)
 
-    return floor_kernel(), floor_dep, floor_div64, floor_barrier, floor_wide
+    @cuda.jit
+    def floor_wide_read(scores, seq_lens, out, x1, x2, x3, x4, x5, x6, x7, s1, s2, s3, s4):
+        # floor_wide, reading a shape word of each extra array and every scalar as a
+        # kernel that uses all of its arrays does: the constant-bank lines of the
+        # whole parameter block are fetched, not only the first ones.
+        row = cuda.blockIdx.x
+        head = cuda.blockIdx.y
+        lane = cuda.threadIdx.x
+        n = seq_lens[row] + (x1.shape[2] + x2.shape[1] + x3.shape[0] + x4.shape[2]
+                             + x5.shape[1] + x6.shape[0] + x7.shape[2] + s1 + s2 + s3 + s4)
+        if lane < scores.shape[2] and lane < out.shape[2]:
+            out[head, row, lane] = int(scores[head, row, lane] > 0) + n
+
+    return floor_kernel(), floor_dep, floor_div64, floor_barrier, floor_wide, floor_wide_read
 
 
 def probes(cases):
     import cupy
     from numba import cuda
 
-    floor_indep, floor_dep, floor_div64, floor_barrier, floor_wide = probe_kernels()
+    floor_indep, floor_dep, floor_div64, floor_barrier, floor_wide, floor_wide_read = \
+        probe_kernels()
     for name in cases:
         pack, merge, table_on, shard, seq_lens, out = build(name)
         stream = cupy.cuda.Stream(non_blocking=True)
@@ -127,6 +142,10 @@ def probes(cases):
             wide = (shard,) * 7 + (1, 2, 3, 4)
             row["floor_wide"] = device_us(
                 lambda s: floor_wide[grid, 32, numba_stream](shard, seq_lens, probe_out, *wide),
+                stream, 50, 20)
+            row["floor_wide_read"] = device_us(
+                lambda s: floor_wide_read[grid, 32, numba_stream](shard, seq_lens, probe_out,
+                                                                  *wide),
                 stream, 50, 20)
             row["floor_div64"] = device_us(
                 lambda s: floor_div64[grid, 32, numba_stream](shard, seq_lens, probe_out, 1),
