@@ -1,4 +1,4 @@
-"""Chained launches: a selection kernel may start before the kernel ahead of it ends.
+"""Chained launches: every kernel may start before the kernel ahead of it ends.
 
 On NVIDIA GPUs of compute capability 9.0 and newer the launcher starts a kernel
 declared ``chained`` with CUDA's programmatic dependent launch, and the kernel's
