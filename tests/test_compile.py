@@ -174,7 +174,8 @@ SHAPES = ("[run=16,slots=2,warps=1]", "[run=16,slots=1,threads=64,chunk=64]",
 MEMORY = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|st|atom|red|cp\.async|prefetch)\.(?!param)",
                     re.M)
 chained = [(label, fn, sig) for label, fn, sig in specialisations()
-           if getattr(fn, "chained", False) and (label.endswith(SHAPES) or label.startswith("ipc_"))]
+           if getattr(fn, "chained", False)
+           and (label.endswith(SHAPES) or label.startswith("ipc_"))]
 if len(chained) != 36:  # ten kernels of each family, six IPC specialisations
     sys.exit(f"{len(chained)} chained kernels at the checked shapes: "
              f"{[label for label, _, _ in chained]}")
