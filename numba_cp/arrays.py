@@ -17,7 +17,7 @@ from ._numba import simulated_device_view
 from .backend import TARGET, cuda
 
 __all__ = ["KernelArray", "as_kernel_array", "with_leading_axis", "device_view", "FixedView",
-           "fixed_view",
+           "fixed_view", "c_contiguous", "data_address",
            "byte_range",
            "resolve_stream", "default_stream_for", "stream_handle", "synchronize", "device_copy",
            "host_copy"]
@@ -155,6 +155,29 @@ def _contiguous_strides(shape, itemsize):
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def c_contiguous(array: KernelArray) -> bool:
+    """Whether ``array``'s elements lie in C order with no gaps (an axis of extent 1
+    may have any stride; an empty array is contiguous)."""
+    if any(n == 0 for n in array.shape):
+        return True
+    strides = array.strides
+    if strides is None:
+        return True
+    step = array.dtype.itemsize
+    for n, stride in zip(reversed(array.shape), reversed(strides)):
+        if n != 1 and stride != step:
+            return False
+        step *= n
+    return True
+
+
+def data_address(array: KernelArray) -> int:
+    """The address of ``array``'s first element (host memory under the simulator)."""
+    if TARGET.simulator:
+        return int(np.asarray(array.arg).__array_interface__["data"][0])
+    return int(array.arg.device_ctypes_pointer.value or 0)
 
 
 def byte_range(array, name: str) -> tuple[int, int]:

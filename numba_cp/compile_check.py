@@ -44,7 +44,7 @@ from numba import types
 
 from . import _numba
 from .backend import TARGET, cuda
-from .kernels.params import INTEGER, WORD, Array
+from .kernels.params import INTEGER, WORD, Address, Array
 
 CAPACITIES = (16, 2048)  # the smallest sort tile the tests use and the envelope's largest
 # (run, slots, warps) of the warp kernels: one-warp rows with in-lane and
@@ -66,7 +66,9 @@ def signature(kernel, integer=types.int32, word=types.uint64):
     chosen = {INTEGER: integer, WORD: word}
     args = []
     for param in _numba.kernel_py_func(kernel).params:
-        if isinstance(param, Array):
+        if isinstance(param, Address):  # (data address, *shape)
+            args.append(types.UniTuple(types.int64, param.ndim + 1))
+        elif isinstance(param, Array):
             dtype = chosen.get(param.dtype) or getattr(types, param.dtype)
             args.append(types.Array(dtype, param.ndim, param.layout))
         else:
@@ -77,6 +79,7 @@ def signature(kernel, integer=types.int32, word=types.uint64):
 def specialisations():
     """``(label, python function, signature)`` for every kernel the wrappers can launch."""
     from .kernels import ipc, radix, rank, warp
+    from .kernels.shells import KERNELS, SMALL_ROW_KERNELS
 
     families = [(warp, "run={},slots={},warps={}".format(*shape), shape, (types.int32,))
                 for shape in WARP_SHAPES]
@@ -85,14 +88,11 @@ def specialisations():
     families += [(radix, f"cap={capacity}", (capacity,), (types.int32, types.int64))
                  for capacity in CAPACITIES]
     for family, shape_label, shape, integers in families:
+        factories = KERNELS if family is radix else KERNELS + SMALL_ROW_KERNELS
         for integer in integers:
             label = shape_label if len(integers) == 1 else f"{shape_label},seq_lens={integer}"
-            for factory in (family.pack_kernel, family.merge_kernel, family.merge_table_kernel,
-                            family.merge_keys_kernel, family.select_kernel,
-                            family.select_table_kernel, family.pack_to_peers_kernel,
-                            family.merge_delivered_kernel, family.merge_delivered_table_kernel,
-                            family.merge_delivered_keys_kernel):
-                kernel = factory(*shape)
+            for factory in factories:
+                kernel = getattr(family, factory)(*shape)
                 name = _numba.kernel_py_func(kernel).__name__
                 yield f"{name}[{label}]", kernel.py_func, signature(kernel, integer)
     for kernel in (ipc.ipc_bump_kernel, ipc.ipc_push_kernel, ipc.ipc_wait_copy_kernel,

@@ -31,9 +31,10 @@ from functools import lru_cache
 import numpy as np
 
 from . import _numba, _torch, kernel_cache
-from .arrays import FixedView, as_kernel_array, resolve_stream, with_leading_axis
+from .arrays import (FixedView, as_kernel_array, c_contiguous, data_address, resolve_stream,
+                     with_leading_axis)
 from .backend import TARGET, cuda
-from .kernels.params import Array
+from .kernels.params import Address, Array
 
 __all__ = ["array_signature", "call_signature", "context_token", "KernelLaunch", "LaunchCache",
            "block_limit_error", "chained_launches", "set_chained_launches",
@@ -272,7 +273,7 @@ class KernelLaunch:
             view = as_kernel_array(obj, param.name)
             views[param.name] = view if view.ndim == param.ndim else with_leading_axis(view)
         scalars = iter(self.scalars)
-        return [views[p.name].arg if isinstance(p, Array) else next(scalars)
+        return [_array_arg(p, views[p.name]) if isinstance(p, Array) else next(scalars)
                 for p in self.params]
 
     def __call__(self, objects, stream=None, pointers=None):
@@ -312,6 +313,17 @@ class KernelLaunch:
             raise error from exc
 
 
+def _array_arg(param, view):
+    """The kernel argument of an array parameter: Numba's array, or an
+    :class:`~numba_cp.kernels.params.Address`'s ``(data address, *shape)``."""
+    if isinstance(param, Address):
+        if not c_contiguous(view):  # the wrappers pick these kernels for such arrays only
+            raise ValueError(f"{view.name}: this kernel takes C-contiguous arrays only, got "
+                             f"strides {view.strides} for shape {view.shape}")
+        return (data_address(view), *view.shape)
+    return view.arg
+
+
 def block_limit_error(block, limit, kernel_name):
     """The ValueError for a launch of ``block`` threads per block (an int or a tuple)
     where the compiled kernel takes at most ``limit`` (None: unknown), or None."""
@@ -326,11 +338,12 @@ class _DirectLaunch:
     """numba-cuda only: the compiled specialisation launched with ``cuLaunchKernel``.
 
     Every kernel parameter here is 8 bytes (Numba flattens an array into
-    meminfo, parent, size, itemsize, data, shape..., strides...; the scalars
-    are int64), so the parameter block is one int64 array built once, with a
-    pointer per parameter into it; a call rewrites the data pointers and
-    launches. Should the driver call itself refuse its arguments, it falls back
-    to ``cuda.core.launch`` with the same values.
+    meminfo, parent, size, itemsize, data, shape..., strides...; an address
+    parameter's tuple into its words; the scalars are int64), so the parameter
+    block is one int64 array built once, with a pointer per parameter into it;
+    a call rewrites the data pointers and launches. Should the driver call
+    itself refuse its arguments, it falls back to ``cuda.core.launch`` with the
+    same values.
     """
 
     def __init__(self, launch: KernelLaunch, args):
@@ -345,9 +358,14 @@ class _DirectLaunch:
             if not isinstance(param, Array):
                 values.append(_scalar(value))
                 continue
-            self.pointer_slots.append((len(values) + _numba.FLATTENED_DATA_FIELD, array_index))
+            if isinstance(param, Address):  # (address, *shape): the address first
+                self.pointer_slots.append((len(values), array_index))
+                values.extend(value)
+            else:
+                self.pointer_slots.append((len(values) + _numba.FLATTENED_DATA_FIELD,
+                                           array_index))
+                values.extend(_numba.flattened_array_fields(value))
             array_index += 1
-            values.extend(_numba.flattened_array_fields(value))
         self.values = (ctypes.c_int64 * len(values))(*values)
         base = ctypes.addressof(self.values)
         self.params = (ctypes.c_void_p * len(values))(*[base + 8 * k for k in range(len(values))])

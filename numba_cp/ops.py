@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import validate
-from .arrays import as_kernel_array
+from .arrays import as_kernel_array, c_contiguous
 from .backend import TARGET
 from .constants import MAX_GLOBAL_BLOCKS, MAX_PAGE_STRIDE, MAX_PINNED, MAX_TOPK, PAGES
 from .kernels import ipc as ipc_kernels
@@ -48,6 +48,16 @@ RANK_THREADS = 2 * TARGET.lanes if TARGET.simulator else 256
 RANK_AUTO_ROW = 256
 RANK_AUTO_ROWS = 256
 RANK_CHUNK = 64
+# merge_topk_keys(..., addressed=True): the warp and rank families' merge + table
+# kernels take C-contiguous arrays (with int32 seq_lens) by address and shape: a
+# parameter block of 25 words instead of Numba's 64. Compiled for sm_90 at g's
+# launch shape (rank run=32, 128 threads; tools/param_lines.py), the kernel reads 5
+# of constant bank 0's 64-byte lines instead of 10, in 1208 instructions of code
+# instead of 1272. On the H200, reading a word from every line of a 64-word block
+# cost a launch 0.16-0.33 us more than reading its first lines (BENCHMARKS.md,
+# "Chained launches on one NVIDIA H200, 2026-12-07"). This kernel's own device time
+# has not been measured, so it is off by default.
+ADDRESSED_DEFAULT = False
 
 
 def _next_pow2(n: int) -> int:
@@ -443,7 +453,7 @@ def _table_arrays(heads, tokens, topk, requests, attention_block_table,
 def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_blocks,
                     attention_block_table=None, sparse_block_table_out=None,
                     sparse_context_lens_out=None, block_page_stride=None, stream=None,
-                    method="auto", threads=None, sort_limit=None):
+                    method="auto", threads=None, sort_limit=None, addressed=None):
     """Merge gathered shard keys into global per-head top-k block ids (SPEC.md).
 
     Args:
@@ -464,6 +474,10 @@ def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_b
         block_page_stride: page index stride per block (default 8).
         stream, method, threads, sort_limit: as for :func:`local_topk_keys`;
             with no ``stream``, ``keys`` picks the default.
+        addressed: with the table, whether the warp and rank kernels take the
+            arrays by address and shape, a smaller kernel parameter block (where
+            every array is C-contiguous and ``seq_lens`` is int32; None: the
+            default, off). Like ``threads``, it never changes the result.
 
     Returns:
         ``topk_idx``.
@@ -471,7 +485,8 @@ def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_b
     launch, arrays, pointers = _merge_launch(
         (keys, topk_idx, seq_lens, attention_block_table, sparse_block_table_out,
          sparse_context_lens_out),
-        (query_len, init_blocks, local_blocks, block_page_stride, method, threads, sort_limit))
+        (query_len, init_blocks, local_blocks, block_page_stride, method, threads, sort_limit,
+         addressed))
     launch(arrays, stream, pointers)
     return topk_idx
 
@@ -479,12 +494,13 @@ def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_b
 def check_merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_blocks,
                           attention_block_table=None, sparse_block_table_out=None,
                           sparse_context_lens_out=None, block_page_stride=None,
-                          method="auto", threads=None, sort_limit=None):
+                          method="auto", threads=None, sort_limit=None, addressed=None):
     """Validate a :func:`merge_topk_keys` call without launching it (raises as it would)."""
     _merge_launch(
         (keys, topk_idx, seq_lens, attention_block_table, sparse_block_table_out,
          sparse_context_lens_out),
-        (query_len, init_blocks, local_blocks, block_page_stride, method, threads, sort_limit))
+        (query_len, init_blocks, local_blocks, block_page_stride, method, threads, sort_limit,
+         addressed))
 
 
 def _merge_launch(arrays, scalars):
@@ -493,11 +509,14 @@ def _merge_launch(arrays, scalars):
 
 
 def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride, method,
-                threads, sort_limit):
+                threads, sort_limit, addressed):
+    if addressed is not None and not isinstance(addressed, (bool, np.bool_)):
+        raise TypeError(f"addressed must be True, False or None, got {addressed!r}")
     keys_a = as_kernel_array(arrays[0], "keys")
     return _merge_launch_for(keys_a, keys_a.shape[0] if keys_a.ndim == 4 else 0, arrays[1:],
                              [], [], query_len, init_blocks, local_blocks, block_page_stride,
-                             method, threads, sort_limit)
+                             method, threads, sort_limit,
+                             ADDRESSED_DEFAULT if addressed is None else bool(addressed))
 
 
 def global_topk_ids(scores, seq_lens, topk_idx, *, query_len, global_blocks, init_blocks,
@@ -693,10 +712,18 @@ def _plan_merge_delivered(arrays, timeout_ns, block_wait, query_len, init_blocks
                              threads, sort_limit)
 
 
+def _addressed(family, arrays):
+    """Whether ``family``'s merge + table kernel over arrays by address takes these."""
+    return (family is not radix and arrays[2].dtype == np.int32
+            and all(c_contiguous(a) for a in arrays))
+
+
 def _merge_launch_for(keys_a, world, arrays, waits, wait_scalars, query_len, init_blocks,
-                      local_blocks, block_page_stride, method, threads, sort_limit):
+                      local_blocks, block_page_stride, method, threads, sort_limit,
+                      addressed=False):
     """The merge launch over ``world`` ranks' keys; with ``waits`` (ctrl, flags,
-    errors) the delivered kernels, which take them after ``seq_lens``."""
+    errors) the delivered kernels, which take them after ``seq_lens``; with
+    ``addressed``, the table kernel over arrays by address where it can."""
     topk_idx, seq_lens, attention_block_table, sparse_block_table_out, \
         sparse_context_lens_out = arrays
     query_len, init_blocks, local_blocks = _window(query_len, init_blocks, local_blocks)
@@ -726,7 +753,11 @@ def _merge_launch_for(keys_a, world, arrays, waits, wait_scalars, query_len, ini
         return KernelLaunch(kernel, (tokens, heads), threads, scalars + wait_scalars,
                             footprint=validate.Footprint(inputs + [None] * 3, outputs))
     page_stride, table_arrays = tables
-    kernel = (family.merge_delivered_table_kernel if delivered
-              else family.merge_table_kernel)(*shape)
+    if delivered:
+        kernel = family.merge_delivered_table_kernel(*shape)
+    elif addressed and _addressed(family, inputs + table_arrays):
+        kernel = family.merge_table_addressed_kernel(*shape)
+    else:
+        kernel = family.merge_table_kernel(*shape)
     return KernelLaunch(kernel, (tokens, heads), threads, scalars + [page_stride] + wait_scalars,
                         footprint=validate.Footprint(inputs + table_arrays, outputs))

@@ -5,7 +5,8 @@ The lane count changes which stages stay inside a lane and which cross lanes
 (warp kernels), and how many threads and keys per thread a row gets (rank
 kernels), so each width runs an exchange end to end (pack on every shard, merge, sparse
 table, equality with the unsharded oracle), world 1 in one kernel (with the
-table) and the two-level exchange's first merge, in a subprocess of its own.
+table) and the two-level exchange's first merge, in a subprocess of its own; and
+the merge + table kernels that take their arrays by address, at 32 and 64 lanes.
 """
 
 import os
@@ -35,6 +36,51 @@ def test_exchange_is_exact_at_each_warp_width(lanes, method):
     for check in ("exchange == unsharded top-k", "global_topk_ids sparse table",
                   "merge_keys == oracle"):
         assert f"ok   {check}" in proc.stdout, proc.stdout
+
+
+ADDRESSED_MERGE = """
+import numpy as np
+import numba_cp
+from numba_cp import _numba, ops, reference as ref
+method = {method!r}
+rng = np.random.default_rng(3)
+heads, tokens, blocks, world, topk = 2, 3, 150, 3, 40
+scores = rng.standard_normal((heads, tokens, blocks)).astype(np.float32)
+seq_lens = np.array([blocks * 128, 97 * 128 + 5, 20 * 128], np.int32)
+window = dict(query_len=1, init_blocks=1, local_blocks=2)
+keys = np.stack([ref.local_topk_keys(ref.shard_scores(scores, rank=r, world=world,
+                                                      global_blocks=blocks),
+                                     seq_lens, topk=topk, rank=r, world=world,
+                                     global_blocks=blocks, **window) for r in range(world)])
+table = rng.integers(0, 1000, size=(tokens, blocks), dtype=np.int32)
+idx = np.full((heads, tokens, topk), -7, np.int32)
+sbt = np.full((heads, tokens, topk * 8), -7, np.int32)
+ctx = np.full((heads, tokens), -7, np.int32)
+numba_cp.merge_topk_keys(keys, idx, seq_lens, attention_block_table=table,
+                         sparse_block_table_out=sbt, sparse_context_lens_out=ctx,
+                         method=method, addressed=True, **window)
+exp_idx, exp_sbt, exp_ctx = ref.merge_topk_keys(keys, seq_lens, topk=topk,
+                                                attention_block_table=table, **window)
+(launch,) = ops._MERGE_LAUNCHES.values()
+print(_numba.kernel_py_func(launch.kernel).__name__)
+print(np.array_equal(idx, exp_idx), np.array_equal(sbt, exp_sbt), np.array_equal(ctx, exp_ctx))
+"""
+
+
+@pytest.mark.skipif(not TARGET.simulator, reason="sets the simulator's warp width")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", ["warp", "rank"])
+@pytest.mark.parametrize("lanes", [32, 64])
+def test_addressed_table_merge_at_each_warp_width(lanes, method):
+    """The merge + table kernels that take their arrays by address
+    (``addressed=True``), against the oracle at the GPUs' widths."""
+    env = dict(os.environ, NUMBA_CP_BACKEND="sim", NUMBA_CP_SIM_LANES=str(lanes),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", ADDRESSED_MERGE.format(method=method)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split() == [f"merge_topk_ids_and_table_addressed_{method}", "True",
+                                   "True", "True"], proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("lanes", ["4", "64", None])

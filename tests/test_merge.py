@@ -1,12 +1,17 @@
 """merge_topk_keys kernel (and its fused sparse block table) against the NumPy oracle."""
 
+import contextlib
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import numba_cp
+from numba_cp import _numba, ops
 from numba_cp import reference as ref
+from numba_cp.launcher import LaunchCache
 from numba_cp.backend import TARGET
 from numba_cp.constants import PAGES
 from support import Case, cases, launches, to_device, to_host
@@ -46,7 +51,7 @@ def block_table(rng, case, width=None):
 
 
 def run_merge(keys, case, *, table=None, stride=None, layout="per-head", idx_strided=False,
-              **launch):
+              keys_strided=False, **launch):
     heads, tokens, topk = case.heads, case.tokens, case.topk
     if idx_strided:
         idx = to_device(np.full((tokens, heads, topk), SENTINEL, np.int32)).transpose(1, 0, 2)
@@ -63,7 +68,13 @@ def run_merge(keys, case, *, table=None, stride=None, layout="per-head", idx_str
             ctx = to_device(np.full((tokens,), SENTINEL, np.int32))
         extra = dict(attention_block_table=to_device(table), sparse_block_table_out=sbt,
                      sparse_context_lens_out=ctx, block_page_stride=stride)
-    result = numba_cp.merge_topk_keys(to_device(keys), idx, to_device(case.seq_lens),
+    if keys_strided:  # every other word of a buffer twice as wide
+        wider = np.zeros(keys.shape[:-1] + (2 * keys.shape[-1],), np.int64)
+        wider[..., ::2] = keys
+        gathered = to_device(wider)[..., ::2]
+    else:
+        gathered = to_device(keys)
+    result = numba_cp.merge_topk_keys(gathered, idx, to_device(case.seq_lens),
                                       **launch, **case.window,
                                       **extra)
     assert result is idx
@@ -190,6 +201,85 @@ def test_sorted_gather_fast_path_and_its_check(n, swap):
         run_merge(keys, case, **launch)
         if launch["method"] == "rank":  # each key's page goes where its key goes
             run_merge(keys, case, table=table, **launch)
+
+
+# ---------------------------------------------------------------------------
+# The merge + table kernels that take their arrays by address and shape
+
+
+@contextlib.contextmanager
+def own_merge_launches():
+    """A launch cache of its own, so that the launches planned inside can be read."""
+    saved = ops._MERGE_LAUNCHES
+    ops._MERGE_LAUNCHES = LaunchCache()
+    try:
+        yield
+    finally:
+        ops._MERGE_LAUNCHES = saved
+
+
+def merge_kernel_names():
+    return [_numba.kernel_py_func(launch.kernel).__name__
+            for launch in ops._MERGE_LAUNCHES.values()]
+
+
+@pytest.mark.slow
+@settings(max_examples=30)
+@given(case=cases(max_heads=3), data=st.data())
+def test_sparse_table_by_address_matches_oracle(case, data):
+    """With ``addressed=True`` the warp and rank merges with the table take
+    C-contiguous arrays by address (the radix family and strided or int64 arrays keep
+    Numba's arrays); every output matches the oracle either way."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    layout = "reference" if case.heads == 1 and data.draw(st.booleans(), label="2d") \
+        else "per-head"
+    narrow = data.draw(st.booleans(), label="narrow table")
+    table = block_table(rng, case, width=max(case.global_blocks // 2, 1) if narrow else None)
+    launch = data.draw(launches(), label="launch")
+    wide_seq_lens = data.draw(st.booleans(), label="int64 seq_lens")
+    keys = gathered_keys(case, case.topk)
+    keys_strided = data.draw(st.booleans(), label="strided keys")
+    # NumPy's test, as the wrapper's: an axis of extent 1 may have any stride
+    strided = keys_strided and not np.zeros(keys.shape + (2,))[..., 0].flags.c_contiguous
+    if wide_seq_lens:
+        case = dataclasses.replace(case, seq_lens=case.seq_lens.astype(np.int64))
+    with own_merge_launches():
+        run_merge(keys, case, table=table, layout=layout, keys_strided=keys_strided,
+                  stride=data.draw(st.sampled_from([None, 16, 0]), label="stride"),
+                  addressed=True, **launch)
+        (name,) = merge_kernel_names()
+    small_row_family = name.endswith(("_warp", "_rank"))
+    assert ("_addressed" in name) == (small_row_family and not strided and not wide_seq_lens), \
+        name
+
+
+@pytest.mark.parametrize("method", ["warp", "rank"])
+def test_addressed_and_array_merges_agree(method):
+    """The same merge + table through both kernels of a family: the outputs match the
+    oracle, and ``addressed`` picks the kernel (off by default)."""
+    rng = np.random.default_rng(8)
+    case = Case(rng.standard_normal((2, 3, 90)).astype(np.float32),
+                np.array([90 * 128, 41 * 128 + 5, 2 * 128], np.int32), world=3, topk=12,
+                query_len=1, global_blocks=90, init_blocks=1, local_blocks=2)
+    keys = gathered_keys(case, case.topk)
+    table = block_table(rng, case)
+    names = {}
+    for addressed in (None, False, True):
+        with own_merge_launches():
+            run_merge(keys, case, table=table, method=method, addressed=addressed)
+            (names[addressed],) = merge_kernel_names()
+    array, by_address = (f"merge_topk_ids_and_table_{method}",
+                         f"merge_topk_ids_and_table_addressed_{method}")
+    assert names == {None: array, False: array, True: by_address}
+
+
+@pytest.mark.parametrize("addressed", ["yes", 1, 0.0])
+def test_a_bad_addressed_is_named(addressed):
+    case = Case(np.zeros((1, 1, 4), np.float32), np.array([512], np.int32), world=1, topk=2,
+                query_len=1, global_blocks=4, init_blocks=1, local_blocks=1)
+    with pytest.raises(TypeError, match="addressed must be True, False or None"):
+        run_merge(gathered_keys(case, 2), case, table=block_table(np.random.default_rng(0),
+                                                                  case), addressed=addressed)
 
 
 # ---------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 =================  ===========================================================
 ``rows.py``        what every family shares: row window, candidate readers,
                    the sparse-table writer, the kernels' parameter declarations
-``shells.py``      the ten kernels the warp and rank families build from their
+``shells.py``      the kernels the warp and rank families build from their
                    row selection
 ``warp.py``        the warp family (``method="warp"``): registers and shuffles
 ``rank.py``        the rank family (``method="rank"``): each key's place counted,

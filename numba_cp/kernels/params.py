@@ -7,6 +7,11 @@ launcher (:mod:`numba_cp.launcher`) builds argument lists and the compile
 check (:mod:`numba_cp.compile_check`) builds Numba signatures from the same
 tuple, and neither can drift from the kernel.
 
+An :class:`Address` is an array the kernel receives as its data address and
+shape alone, all int64, and views with ``c_array_at`` (kernels/primitives.py):
+C-contiguous arrays only, in a parameter block a third the size of Numba's
+array structs (meminfo, parent, size, itemsize, data, shape, strides).
+
 Array dtypes are NumPy names, or a placeholder that the compile check
 specialises: :data:`INTEGER` (any integer dtype the wrapper accepts, such as
 ``seq_lens``) and :data:`WORD` (the IPC payload's word: bytes or int64).
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Array", "Scalar", "INTEGER", "WORD", "declare", "scalars"]
+__all__ = ["Array", "Address", "Scalar", "INTEGER", "WORD", "declare", "scalars"]
 
 INTEGER = "integer"
 WORD = "word"
@@ -27,6 +32,11 @@ class Array(NamedTuple):
     dtype: str
     ndim: int
     layout: str = "A"  # any strides: the wrappers pass strided views
+
+
+class Address(Array):
+    """A C-contiguous array passed as ``(data address, *shape)``: ``ndim + 1`` int64
+    words. Its wrapper launches it only with C-contiguous arrays."""
 
 
 class Scalar(NamedTuple):

@@ -13,6 +13,7 @@ HIP. There the atomics below are small intrinsics that emit LLVM ``atomicrmw``
 on the element's address (relaxed ordering, as CUDA's ``atomicAdd`` is).
 """
 
+import ctypes
 import threading
 import time
 from functools import lru_cache
@@ -31,7 +32,7 @@ if NAME != "sim":
 __all__ = ["inline_device", "float_bits", "bits_as_float64", "shared_atomic_add",
            "WARP_LANES", "lane_exchange", "lane_read", "lanes_all", "lane_counts",
            "block_any", "flag_load", "flag_store", "fence_system", "spin_pause", "clock_ns",
-           "ctrl_add", "ctrl_cas", "chain_grids"]
+           "ctrl_add", "ctrl_cas", "chain_grids", "c_array_at"]
 
 
 def inline_device(fn):
@@ -678,3 +679,54 @@ else:
 
     def chain_grids():
         pass
+
+
+# An array handed to a kernel as its bare address and shape (an ``Address``
+# parameter, kernels/params.py) instead of Numba's array struct: ``packed`` is
+# ``(address, *shape)``, all int64, and the array is C-contiguous. A kernel with
+# several arrays then reads a parameter block a third the size, so that its first
+# instructions wait on fewer constant-cache lines (g's merge + table: 25 words
+# instead of 64).
+if NAME == "sim":
+    from numba.np.numpy_support import as_dtype
+
+    def c_array_at(packed, dtype):
+        """The C-contiguous ``dtype`` array at ``packed = (address, *shape)``."""
+        address, shape = int(packed[0]), tuple(int(n) for n in packed[1:])
+        element = as_dtype(dtype)
+        count = int(np.prod(shape))
+        if count == 0:
+            return np.empty(shape, element)
+        memory = (ctypes.c_byte * (count * element.itemsize)).from_address(address)
+        return np.frombuffer(memory, element).reshape(shape)
+
+else:
+
+    @intrinsic
+    def c_array_at(typingctx, packed, dtype):
+        if not (isinstance(packed, types.UniTuple) and packed.dtype == types.int64
+                and packed.count >= 2 and isinstance(dtype, types.NumberClass)):
+            return None
+        element = dtype.instance_type
+        ndim = packed.count - 1
+        array_type = types.Array(element, ndim, "C")
+
+        def codegen(context, builder, sig, args):
+            address, *shape = cgutils.unpack_tuple(builder, args[0], packed.count)
+            intp = context.get_value_type(types.intp)
+            itemsize = context.get_abi_sizeof(context.get_data_type(element))
+            strides, stride = [], ir.Constant(intp, itemsize)
+            for extent in reversed(shape):
+                strides.insert(0, stride)
+                stride = builder.mul(stride, extent)
+            view = context.make_array(array_type)(context, builder)
+            view.data = builder.inttoptr(address, view.data.type)
+            view.shape = cgutils.pack_array(builder, shape, intp)
+            view.strides = cgutils.pack_array(builder, strides, intp)
+            view.itemsize = ir.Constant(intp, itemsize)
+            view.nitems = stride  # the product of the extents
+            view.meminfo = ir.Constant(view.meminfo.type, None)
+            view.parent = ir.Constant(view.parent.type, None)
+            return view._getvalue()
+
+        return array_type(packed, dtype), codegen

@@ -2,7 +2,7 @@
 
 A family (:mod:`.warp`, :mod:`.rank`) decides how a block selects its row's
 top keys; its :class:`Selection` says how, and the builders here wrap it in
-the ten kernels the host wrappers launch: where the candidates come from and
+the kernels the host wrappers launch: where the candidates come from and
 where the results go is the same for every family.
 
 One block per ``(head, row)``. The row's top keys end in the threads'
@@ -19,21 +19,22 @@ numba-hip cannot return a local array from a device function.
 from functools import lru_cache
 from typing import Callable, NamedTuple
 
-from numba import float32, int64, uint64
+from numba import float32, int32, int64, uint64
 
 from ..backend import TARGET, cuda
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
 from .params import declare
-from .primitives import WARP_LANES, chain_grids, inline_device
+from .primitives import WARP_LANES, c_array_at, chain_grids, inline_device
 from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
                    MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
-                   MERGE_PARAMS, MERGE_TABLE_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
+                   MERGE_PARAMS, MERGE_TABLE_ADDRESSED_PARAMS, MERGE_TABLE_PARAMS,
+                   PACK_PARAMS, PACK_TO_PEERS_PARAMS,
                    SELECT_PARAMS, SELECT_TABLE_PARAMS, gathered_key_of, gathered_load,
                    gathered_place, gathered_row, merged_block, shard_key_of, shard_load,
                    shard_place, shard_row, table_writer, whole_row, page_of,
                    request_seq_len, row_request)
 
-__all__ = ["Selection", "KERNELS", "kernel_factories"]
+__all__ = ["Selection", "KERNELS", "SMALL_ROW_KERNELS", "kernel_factories"]
 
 
 class Selection(NamedTuple):
@@ -362,6 +363,33 @@ def merge_table_kernel(sel):
 
 
 @lru_cache(maxsize=None)
+def merge_table_addressed_kernel(sel):
+    """:func:`merge_table_kernel` over C-contiguous arrays given by address and shape."""
+    merge_with_table = _merge_with_table(sel)
+    shared_size = sel.shared_size
+    slots = sel.slots
+
+    @declare(*MERGE_TABLE_ADDRESSED_PARAMS, chained=True)
+    def merge_topk_ids_and_table_addressed(keys, topk_idx, seq_lens, block_table,
+                                           sparse_table, context_lens, query_len, init_blocks,
+                                           local_blocks, page_stride):
+        chain_grids()
+        raw = cuda.local.array(slots, int64)
+        v = cuda.local.array(slots, int64)
+        t = cuda.local.array(slots, int64)
+        acc = cuda.local.array(slots, int64)
+        shared = cuda.shared.array(shared_size, int64)
+        gathered = c_array_at(keys, int64)
+        merge_with_table(gathered, 0, gathered.shape[0], c_array_at(topk_idx, int32),
+                         c_array_at(seq_lens, int32), c_array_at(block_table, int32),
+                         c_array_at(sparse_table, int32), c_array_at(context_lens, int32),
+                         query_len, init_blocks, local_blocks, page_stride, raw, v, t, acc,
+                         shared)
+
+    return _jit(merge_topk_ids_and_table_addressed, sel)
+
+
+@lru_cache(maxsize=None)
 def _merge_keys_select(sel):
     slots = sel.slots
     prefetch, select_top = sel.make(gathered_load, gathered_key_of, presorted=True)
@@ -486,11 +514,17 @@ KERNELS = ("pack_kernel", "merge_kernel", "merge_table_kernel", "merge_keys_kern
            "select_kernel", "select_table_kernel", "pack_to_peers_kernel",
            "merge_delivered_kernel", "merge_delivered_table_kernel",
            "merge_delivered_keys_kernel")
+# Built by the small-row families only (warp, rank), after KERNELS. The radix family's
+# rows are long, so its parameter block is no part of its time; compiled for gfx942
+# (tools/rocm_compile_check.sh, 2026-12-07) an addressed radix merge + table at sort
+# tile 2048 spilled 249 VGPRs where the array one spills 62.
+SMALL_ROW_KERNELS = ("merge_table_addressed_kernel",)
 
 
 def kernel_factories(selection):
-    """The ten kernel factories of a family whose ``selection(*shape)`` gives its
-    :class:`Selection`: ``factory(*shape)`` -> kernel, in :data:`KERNELS` order."""
-    builders = [globals()[name] for name in KERNELS]
+    """The kernel factories of a family whose ``selection(*shape)`` gives its
+    :class:`Selection`: ``factory(*shape)`` -> kernel, in the order of
+    :data:`KERNELS` then :data:`SMALL_ROW_KERNELS`."""
+    builders = [globals()[name] for name in KERNELS + SMALL_ROW_KERNELS]
     return tuple((lambda build: lambda *shape: build(selection(*shape)))(build)
                  for build in builders)
