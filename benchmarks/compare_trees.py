@@ -9,7 +9,8 @@ addresses. Here every tree launches on the very same arrays, so only the kernels
 differ. Each CHECKOUT's ``numba_cp`` package is copied under a name of its own
 (``numba_cp_1``, ...; the package imports itself only relatively) and keeps its own
 kernel cache. For each bench_kernels.py case: the pack (cases without a table), the
-merge, world 1 in one kernel, and in case g the warp kernels' merge too, each the
+merge, world 1 in one kernel, and in case g the warp kernels' merge too, and both
+merges with the arrays by address where the tree has them (``addressed=True``), each the
 median of ``--repeats`` CUDA-graph timings interleaved across the trees. ``--warm``
 only compiles (run one per tree in parallel first: ``--only N``, 0 being this
 tree). Speed is only ever measured here, never asserted in tests.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import shutil
@@ -84,6 +86,11 @@ def calls(name, trees):
         if table_on:
             out.append((name, "merge (warp)", label,
                         lambda s, merge=merge: merge(s, method="warp")))
+            if "addressed" in inspect.signature(pkg.merge_topk_keys).parameters:
+                out.append((name, "merge, by address", label,
+                            lambda s, merge=merge: merge(s, addressed=True)))
+                out.append((name, "merge (warp), by address", label,
+                            lambda s, merge=merge: merge(s, method="warp", addressed=True)))
         out.append((name, "world 1", label, world1))
     return out
 
@@ -149,7 +156,7 @@ def main(argv=None):
     for timed, (case, stage, label, _) in zip(times, todo):
         median = statistics.median(timed)
         rows.append(dict(case=case, stage=stage, tree=label, device_us=timed, median_us=median))
-        print(f"{case} {stage:<13} {median:6.2f} ({min(timed):.2f}-{max(timed):.2f})  {label}")
+        print(f"{case} {stage:<26} {median:6.2f} ({min(timed):.2f}-{max(timed):.2f})  {label}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(backend=numba_cp.backend.describe(), date=time.strftime("%Y-%m-%d"),
