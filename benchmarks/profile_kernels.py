@@ -2,11 +2,12 @@
 
     NUMBA_CP_BACKEND=cuda python benchmarks/profile_kernels.py probes [--cases a,b,g]
     NUMBA_CP_BACKEND=cuda python benchmarks/profile_kernels.py launch [--cases a,b,g] [--sass F]
-        [--method M]
+        [--method M] [--addressed]
     bash benchmarks/ncu_small_rows.sh            # Nsight Compute over ``launch``
 
 ``probes``: device µs per call (CUDA-graph replay, as bench_kernels.py) of the
-pack and merge of each case beside probes with the pack's grid and one
+pack and merge of each case (a merge with the table also with its arrays by address,
+``merge_by_address``) beside probes with the pack's grid and one
 warp per row: loads independent of seq_lens (``floor_indep``: bench_kernels.py's
 floor probe), score loads that wait for seq_lens (``floor_dep``), and the same after
 two int64 divisions (``floor_div64``); the floor with a parameter block about
@@ -33,8 +34,9 @@ from bench_kernels import CASES, case_arrays, device_us, floor_kernel, floor_row
 from numba_cp import ops
 
 
-def build(name, method="auto"):
-    """``(pack, merge, table_on, shard, seq_lens, out)`` of a bench_kernels case."""
+def build(name, method="auto", addressed=None):
+    """``(pack, merge, table_on, shard, seq_lens, out)`` of a bench_kernels case
+    (``addressed``: merge_topk_keys' keyword, for the merge with the table)."""
     topk, window, shard_args, a = case_arrays(name)
     table_on = CASES[name][6]
     tables = {k: a[k] for k in ("attention_block_table", "sparse_block_table_out",
@@ -45,8 +47,9 @@ def build(name, method="auto"):
                                  stream=stream, method=method, **shard_args)
 
     def merge(stream=None):
+        extra = dict(addressed=addressed) if tables and addressed is not None else {}
         numba_cp.merge_topk_keys(a["keys"], a["topk_idx"], a["seq_lens"], stream=stream,
-                                 method=method, **window, **tables)
+                                 method=method, **window, **tables, **extra)
 
     return pack, merge, table_on, a["scores"], a["seq_lens"], a["out"]
 
@@ -128,6 +131,9 @@ def probes(cases):
             if not table_on:
                 row["pack"] = device_us(pack, stream, 50, 20)
             row["merge"] = device_us(merge, stream, 50, 20)
+            if table_on:
+                row["merge_by_address"] = device_us(build(name, addressed=True)[1], stream,
+                                                    50, 20)
             row["floor_indep"] = device_us(
                 lambda s: floor_indep[grid, 32, numba_stream](shard, seq_lens, probe_out),
                 stream, 50, 20)
@@ -154,11 +160,11 @@ def probes(cases):
                        for k, v in row.items()), flush=True)
 
 
-def launch(cases, sass_path, method):
+def launch(cases, sass_path, method, addressed):
     import cupy
 
     for name in cases:
-        pack, merge, table_on, *_ = build(name, method)
+        pack, merge, table_on, *_ = build(name, method, addressed)
         for _ in range(2):
             if not table_on:
                 pack()
@@ -184,6 +190,8 @@ def main(argv=None):
     p.add_argument("--sass", default=None, help="launch: write the kernels' SASS here")
     p.add_argument("--method", choices=numba_cp.METHODS, default="auto",
                    help="launch: the kernel family")
+    p.add_argument("--addressed", action="store_true",
+                   help="launch: the merge with the table takes its arrays by address")
     args = p.parse_args(argv)
     if numba_cp.backend.TARGET.simulator:
         raise SystemExit("profile_kernels.py profiles a GPU: run it with NUMBA_CP_BACKEND=cuda "
@@ -195,7 +203,7 @@ def main(argv=None):
     if args.mode == "probes":
         probes(cases)
     else:
-        launch(cases, args.sass, args.method)
+        launch(cases, args.sass, args.method, True if args.addressed else None)
     return 0
 
 
