@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     p.add_argument("--local-blocks", type=int, default=2)
     p.add_argument("--method", choices=numba_cp.METHODS, default="auto")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--addressed", action="store_true",
+                   help="the merge with the table takes its arrays by address "
+                        "(merge_topk_keys(addressed=True))")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
@@ -61,7 +64,8 @@ def main(argv=None) -> int:
     ctx = device_copy(np.zeros((a.heads, work.tokens), np.int32))
     numba_cp.merge_topk_keys(gathered, topk_idx, seq_lens, attention_block_table=device_copy(table),
                              sparse_block_table_out=sbt, sparse_context_lens_out=ctx,
-                             method=a.method, threads=a.threads, **window)
+                             method=a.method, threads=a.threads, addressed=a.addressed or None,
+                             **window)
     # world 1 in one kernel, on the whole rows, with the table
     whole_idx = device_copy(np.zeros_like(host_copy(topk_idx)))
     whole_sbt = device_copy(np.zeros_like(host_copy(sbt)))
