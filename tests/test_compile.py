@@ -208,3 +208,36 @@ print("sm_80: none")
 def test_chained_kernels_wait_before_touching_memory_in_sm90_ptx():
     proc = run_assembling(_CHAINED)
     assert proc.stdout.count("waits first") == 38 and "sm_80: none" in proc.stdout, proc.stdout
+
+
+# The merge + table kernels' parameter lists in sm_90 PTX, at case g's launch shape (rank)
+# and a one-warp row (warp): Numba's array structs against arrays by address and shape.
+_PARAMS = r"""
+import re
+from numba_cp._numba import stand_in_device
+from numba_cp.backend import cuda
+from numba_cp.compile_check import signature
+from numba_cp.kernels import rank, warp
+for family, shape in ((rank, (32, 1, 128, 32)), (warp, (32, 2, 1))):
+    for factory in (family.merge_table_kernel, family.merge_table_addressed_kernel):
+        kernel = factory(*shape)
+        with stand_in_device("cuda", compute_capability=(9, 0)):
+            ptx = cuda.compile_ptx(kernel.py_func, signature(kernel), cc=(9, 0))[0]
+        start = ptx.index(".entry")
+        entry = ptx[start:ptx.index(")", start)]
+        words = re.findall(r"\.param\s+\.(\w+)\s", entry)
+        print(kernel.py_func.__name__, len(words), *sorted(set(words)))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_the_addressed_merge_takes_25_parameter_words():
+    """64 words with Numba's six array structs; 25 with each array as its address and
+    shape (the README's "Arrays by address")."""
+    proc = run_with_nvvm("-c", _PARAMS, timeout=500)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert lines == [["merge_topk_ids_and_table_rank", "64", "u64"],
+                     ["merge_topk_ids_and_table_addressed_rank", "25", "u64"],
+                     ["merge_topk_ids_and_table_warp", "64", "u64"],
+                     ["merge_topk_ids_and_table_addressed_warp", "25", "u64"]], proc.stdout
