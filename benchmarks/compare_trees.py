@@ -9,8 +9,8 @@ addresses. Here every tree launches on the very same arrays, so only the kernels
 differ. Each CHECKOUT's ``numba_cp`` package is copied under a name of its own
 (``numba_cp_1``, ...; the package imports itself only relatively) and keeps its own
 kernel cache. For each bench_kernels.py case: the pack (cases without a table), the
-merge, world 1 in one kernel, and in case g the warp kernels' merge too, and both
-merges with the arrays by address where the tree has them (``addressed=True``), each the
+merge, world 1 in one kernel, and in case g the warp kernels' merge too, and the pack
+and merges with the arrays by address where the tree has them (``addressed=True``), each the
 median of ``--repeats`` CUDA-graph timings interleaved across the trees. ``--warm``
 only compiles (run one per tree in parallel first: ``--only N``, 0 being this
 tree). Speed is only ever measured here, never asserted in tests.
@@ -67,9 +67,9 @@ def calls(name, trees):
                      for k, v in tables.items()}
     out = []
     for label, pkg in trees:
-        def pack(s, pkg=pkg):
+        def pack(s, pkg=pkg, **launch):
             pkg.local_topk_keys(a["scores"], a["seq_lens"], topk=topk, rank=0, out=a["out"],
-                                stream=s, **shard_args)
+                                stream=s, **shard_args, **launch)
 
         def merge(s, pkg=pkg, **launch):
             pkg.merge_topk_keys(a["keys"], a["topk_idx"], a["seq_lens"], stream=s, **window,
@@ -82,6 +82,9 @@ def calls(name, trees):
 
         if not table_on:
             out.append((name, "pack", label, pack))
+            if "addressed" in inspect.signature(pkg.local_topk_keys).parameters:
+                out.append((name, "pack, by address", label,
+                            lambda s, pack=pack: pack(s, addressed=True)))
         out.append((name, "merge", label, merge))
         if table_on:
             out.append((name, "merge (warp)", label,

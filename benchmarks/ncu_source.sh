@@ -4,6 +4,7 @@
 #   NUMBA_CP_BACKEND=cuda bash benchmarks/ncu_source.sh CASE KERNEL_REGEX OUT.csv [method] [addressed]
 #   e.g. ... ncu_source.sh g merge_topk_ids_and_table g.csv
 #        ... ncu_source.sh g merge_topk_ids_and_table_addressed g_addressed.csv auto addressed
+#        ... ncu_source.sh b shard_topk_keys_addressed b_addressed.csv auto addressed
 # Profiles the second launch that profile_kernels.py's `launch` makes of the kernel.
 # --cache-control none and --clock-control none: no cache flush before the launch, and
 # the GPU's own clocks, nearer a graph replay than the profiler's defaults (a flush

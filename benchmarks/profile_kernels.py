@@ -6,9 +6,9 @@
     bash benchmarks/ncu_small_rows.sh            # Nsight Compute over ``launch``
 
 ``probes``: device µs per call (CUDA-graph replay, as bench_kernels.py) of the
-pack and merge of each case (a merge with the table also with its arrays by address,
-``merge_by_address``) beside probes with the pack's grid and one
-warp per row: loads independent of seq_lens (``floor_indep``: bench_kernels.py's
+pack and merge of each case (the pack and a merge with the table also with their
+arrays by address: ``pack_by_address``, ``merge_by_address``) beside probes with the
+pack's grid and one warp per row: loads independent of seq_lens (``floor_indep``: bench_kernels.py's
 floor probe), score loads that wait for seq_lens (``floor_dep``), and the same after
 two int64 divisions (``floor_div64``); the floor with a parameter block about
 as large as the merge + table kernel's, seven more 3-D arrays and four scalars
@@ -36,15 +36,16 @@ from numba_cp import ops
 
 def build(name, method="auto", addressed=None):
     """``(pack, merge, table_on, shard, seq_lens, out)`` of a bench_kernels case
-    (``addressed``: merge_topk_keys' keyword, for the merge with the table)."""
+    (``addressed``: the keyword of the pack and of the merge with the table)."""
     topk, window, shard_args, a = case_arrays(name)
     table_on = CASES[name][6]
     tables = {k: a[k] for k in ("attention_block_table", "sparse_block_table_out",
                                 "sparse_context_lens_out") if k in a}
 
     def pack(stream=None):
+        extra = dict(addressed=addressed) if addressed is not None else {}
         numba_cp.local_topk_keys(a["scores"], a["seq_lens"], topk=topk, rank=0, out=a["out"],
-                                 stream=stream, method=method, **shard_args)
+                                 stream=stream, method=method, **shard_args, **extra)
 
     def merge(stream=None):
         extra = dict(addressed=addressed) if tables and addressed is not None else {}
@@ -128,12 +129,13 @@ def probes(cases):
         grid = (out.shape[1], out.shape[0])
         row = {"case": name}
         with stream:
+            by_address = build(name, addressed=True)
             if not table_on:
                 row["pack"] = device_us(pack, stream, 50, 20)
+                row["pack_by_address"] = device_us(by_address[0], stream, 50, 20)
             row["merge"] = device_us(merge, stream, 50, 20)
             if table_on:
-                row["merge_by_address"] = device_us(build(name, addressed=True)[1], stream,
-                                                    50, 20)
+                row["merge_by_address"] = device_us(by_address[1], stream, 50, 20)
             row["floor_indep"] = device_us(
                 lambda s: floor_indep[grid, 32, numba_stream](shard, seq_lens, probe_out),
                 stream, 50, 20)
@@ -191,7 +193,8 @@ def main(argv=None):
     p.add_argument("--method", choices=numba_cp.METHODS, default="auto",
                    help="launch: the kernel family")
     p.add_argument("--addressed", action="store_true",
-                   help="launch: the merge with the table takes its arrays by address")
+                   help="launch: the pack and the merge with the table take their arrays "
+                        "by address")
     args = p.parse_args(argv)
     if numba_cp.backend.TARGET.simulator:
         raise SystemExit("profile_kernels.py profiles a GPU: run it with NUMBA_CP_BACKEND=cuda "

@@ -34,8 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--method", choices=numba_cp.METHODS, default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--addressed", action="store_true",
-                   help="the merge with the table takes its arrays by address "
-                        "(merge_topk_keys(addressed=True))")
+                   help="the pack and the merge with the table take their arrays by "
+                        "address (addressed=True)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     for r, shard in enumerate(shards):
         numba_cp.local_topk_keys(device_copy(shard), seq_lens, topk=a.topk, rank=r,
                                  out=gathered[r], method=a.method, threads=a.threads,
-                                 **shard_args)
+                                 addressed=a.addressed or None, **shard_args)
     requests = work.seq_lens.size
     table = np.random.default_rng(a.seed + 1).integers(
         0, 1 << 20, size=(requests, work.global_blocks), dtype=np.int32)

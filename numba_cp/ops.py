@@ -48,15 +48,16 @@ RANK_THREADS = 2 * TARGET.lanes if TARGET.simulator else 256
 RANK_AUTO_ROW = 256
 RANK_AUTO_ROWS = 256
 RANK_CHUNK = 64
-# merge_topk_keys(..., addressed=True): the warp and rank families' merge + table
-# kernels take C-contiguous arrays (with int32 seq_lens) by address and shape: a
-# parameter block of 25 words instead of Numba's 64. Compiled for sm_90 at g's
-# launch shape (rank run=32, 128 threads; tools/param_lines.py), the kernel reads 5
-# of constant bank 0's 64-byte lines instead of 10, in 1208 instructions of code
-# instead of 1272. On the H200, reading a word from every line of a 64-word block
-# cost a launch 0.16-0.33 us more than reading its first lines (BENCHMARKS.md,
-# "Chained launches on one NVIDIA H200, 2026-12-07"). This kernel's own device time
-# has not been measured, so it is off by default.
+# addressed=True: the warp and rank families' pack and merge + table kernels take
+# C-contiguous arrays (with int32 seq_lens) by address and shape, in parameter blocks
+# of 17 words instead of Numba's 36 (pack) and 25 instead of 64 (merge + table).
+# Compiled for sm_90 as "auto" launches them (tools/param_lines.py), b's pack reads 4
+# of constant bank 0's 64-byte lines instead of 6 (864 instructions of code instead
+# of 872), g's merge + table 5 instead of 10 (1208 instead of 1272). On the H200,
+# reading a word from every line of a 64-word block cost a launch 0.16-0.33 us more
+# than reading its first lines (BENCHMARKS.md, "Chained launches on one NVIDIA H200,
+# 2026-12-07"). These kernels' own device times have not been measured, so they are
+# off by default.
 ADDRESSED_DEFAULT = False
 
 
@@ -193,7 +194,7 @@ _MERGE_LAUNCHES = LaunchCache()
 
 def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_blocks,
                     init_blocks, local_blocks, out, stream=None, method="auto", threads=None,
-                    sort_limit=None):
+                    sort_limit=None, addressed=None):
     """Per-head top-k packed keys of this rank's shard (SPEC.md ``local_topk_keys``).
 
     Args:
@@ -226,23 +227,27 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
             block, and the most keys a row sorts (rows with more are
             radix-selected down to that many first). Results depend on none of
             these.
+        addressed: whether the warp and rank kernels take the arrays by address
+            and shape, a smaller kernel parameter block (where every array is
+            C-contiguous and ``seq_lens`` is int32; None: the default, off). It
+            never changes the result either.
 
     Returns:
         ``out``.
     """
     launch, arrays, pointers = _pack_launch(scores, seq_lens, out, topk, rank, world, query_len,
                                             global_blocks, init_blocks, local_blocks, method,
-                                            threads, sort_limit)
+                                            threads, sort_limit, addressed)
     launch(arrays, stream, pointers)
     return out
 
 
 def check_local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_blocks,
                           init_blocks, local_blocks, out, method="auto", threads=None,
-                          sort_limit=None):
+                          sort_limit=None, addressed=None):
     """Validate a :func:`local_topk_keys` call without launching it (raises as it would)."""
     _pack_launch(scores, seq_lens, out, topk, rank, world, query_len, global_blocks,
-                 init_blocks, local_blocks, method, threads, sort_limit)
+                 init_blocks, local_blocks, method, threads, sort_limit, addressed)
 
 
 def _pack_launch(scores, seq_lens, out, *scalars):
@@ -252,7 +257,8 @@ def _pack_launch(scores, seq_lens, out, *scalars):
 
 
 def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_blocks,
-                     local_blocks, method, threads, sort_limit):
+                     local_blocks, method, threads, sort_limit, addressed):
+    addressed = _addressed_setting(addressed)
     scores_a, seq_lens_a, out_a = (as_kernel_array(a, name) for a, name in
                                    zip(arrays, ("scores", "seq_lens", "out")))
     scalars = _pack_scalars(scores_a, seq_lens_a, topk, rank, world, query_len, global_blocks,
@@ -268,8 +274,11 @@ def _plan_local_topk(arrays, topk, rank, world, query_len, global_blocks, init_b
                                            heads * tokens)
     if not (heads and tokens):
         return _NoWork()
-    return KernelLaunch(family.pack_kernel(*shape), (tokens, heads), threads, scalars,
-                        footprint=validate.Footprint([scores_a, seq_lens_a, out_a], {"out"}))
+    arrays_a = [scores_a, seq_lens_a, out_a]
+    by_address = addressed and _addressed(family, seq_lens_a, arrays_a)
+    kernel = (family.pack_addressed_kernel if by_address else family.pack_kernel)(*shape)
+    return KernelLaunch(kernel, (tokens, heads), threads, scalars,
+                        footprint=validate.Footprint(arrays_a, {"out"}))
 
 
 def _window(query_len, init_blocks, local_blocks):
@@ -510,13 +519,11 @@ def _merge_launch(arrays, scalars):
 
 def _plan_merge(arrays, query_len, init_blocks, local_blocks, block_page_stride, method,
                 threads, sort_limit, addressed):
-    if addressed is not None and not isinstance(addressed, (bool, np.bool_)):
-        raise TypeError(f"addressed must be True, False or None, got {addressed!r}")
+    addressed = _addressed_setting(addressed)
     keys_a = as_kernel_array(arrays[0], "keys")
     return _merge_launch_for(keys_a, keys_a.shape[0] if keys_a.ndim == 4 else 0, arrays[1:],
                              [], [], query_len, init_blocks, local_blocks, block_page_stride,
-                             method, threads, sort_limit,
-                             ADDRESSED_DEFAULT if addressed is None else bool(addressed))
+                             method, threads, sort_limit, addressed)
 
 
 def global_topk_ids(scores, seq_lens, topk_idx, *, query_len, global_blocks, init_blocks,
@@ -712,9 +719,19 @@ def _plan_merge_delivered(arrays, timeout_ns, block_wait, query_len, init_blocks
                              threads, sort_limit)
 
 
-def _addressed(family, arrays):
-    """Whether ``family``'s merge + table kernel over arrays by address takes these."""
-    return (family is not radix and arrays[2].dtype == np.int32
+def _addressed_setting(addressed):
+    """The ``addressed=`` keyword as a bool (None: ADDRESSED_DEFAULT)."""
+    if addressed is None:
+        return ADDRESSED_DEFAULT
+    if not isinstance(addressed, (bool, np.bool_)):
+        raise TypeError(f"addressed must be True, False or None, got {addressed!r}")
+    return bool(addressed)
+
+
+def _addressed(family, seq_lens, arrays):
+    """Whether ``family``'s kernel over arrays by address takes ``arrays`` (all of the
+    call's, ``seq_lens`` among them)."""
+    return (family is not radix and seq_lens.dtype == np.int32
             and all(c_contiguous(a) for a in arrays))
 
 
@@ -755,7 +772,7 @@ def _merge_launch_for(keys_a, world, arrays, waits, wait_scalars, query_len, ini
     page_stride, table_arrays = tables
     if delivered:
         kernel = family.merge_delivered_table_kernel(*shape)
-    elif addressed and _addressed(family, inputs + table_arrays):
+    elif addressed and _addressed(family, seq_lens_a, inputs + table_arrays):
         kernel = family.merge_table_addressed_kernel(*shape)
     else:
         kernel = family.merge_table_kernel(*shape)

@@ -81,12 +81,12 @@ def test_every_kernel_compiles_to_ptx_for_sm90():
     # keys, world 1's one kernel with and without the table; the fused exchange's three and
     # the fused node level's merge to keys)
     assert len(lines) == 40 and all(" ok " in line for line in lines), proc.stdout
-    # two shapes x 11 kernels (the ten and the merge + table over arrays by address)
+    # two shapes x 12 kernels (the ten, the pack and merge + table over arrays by address)
     warp = [line for line in proc.stdout.splitlines() if "_warp[" in line]
-    assert len(warp) == 22, proc.stdout  # register-only: a local-memory depot fails the line
+    assert len(warp) == 24, proc.stdout  # register-only: a local-memory depot fails the line
     assert all(" ok " in line and " 0 B local memory" in line for line in warp), proc.stdout
     rank = [line for line in proc.stdout.splitlines() if "_rank[" in line]
-    assert len(rank) == 22, proc.stdout  # register-only too
+    assert len(rank) == 24, proc.stdout  # register-only too
     assert all(" ok " in line and " 0 B local memory" in line for line in rank), proc.stdout
     ipc = [line for line in proc.stdout.splitlines() if line.startswith("ipc_")]
     assert len(ipc) == 6 and all(" ok " in line for line in ipc), proc.stdout  # IPC all-gather
@@ -177,8 +177,8 @@ MEMORY = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|st|atom|red|cp\.async|prefetch)\.(?!
 chained = [(label, fn, sig) for label, fn, sig in specialisations()
            if getattr(fn, "chained", False)
            and (label.endswith(SHAPES) or label.startswith("ipc_"))]
-if len(chained) != 38:  # ten kernels of each family, the warp and rank families'
-    # addressed merge + table, six IPC specialisations
+if len(chained) != 40:  # ten kernels of each family, the warp and rank families'
+    # pack and merge + table over arrays by address, six IPC specialisations
     sys.exit(f"{len(chained)} chained kernels at the checked shapes: "
              f"{[label for label, _, _ in chained]}")
 for label, fn, sig in chained:
@@ -207,11 +207,12 @@ print("sm_80: none")
 @pytest.mark.timeout(900)
 def test_chained_kernels_wait_before_touching_memory_in_sm90_ptx():
     proc = run_assembling(_CHAINED)
-    assert proc.stdout.count("waits first") == 38 and "sm_80: none" in proc.stdout, proc.stdout
+    assert proc.stdout.count("waits first") == 40 and "sm_80: none" in proc.stdout, proc.stdout
 
 
-# The merge + table kernels' parameter lists in sm_90 PTX, at case g's launch shape (rank)
-# and a one-warp row (warp): Numba's array structs against arrays by address and shape.
+# The pack's and the merge + table kernels' parameter lists in sm_90 PTX, at case g's
+# merge shape (rank) and a one-warp row (warp): Numba's array structs against arrays by
+# address and shape.
 _PARAMS = r"""
 import re
 from numba_cp._numba import stand_in_device
@@ -219,7 +220,8 @@ from numba_cp.backend import cuda
 from numba_cp.compile_check import signature
 from numba_cp.kernels import rank, warp
 for family, shape in ((rank, (32, 1, 128, 32)), (warp, (32, 2, 1))):
-    for factory in (family.merge_table_kernel, family.merge_table_addressed_kernel):
+    for factory in (family.pack_kernel, family.pack_addressed_kernel,
+                    family.merge_table_kernel, family.merge_table_addressed_kernel):
         kernel = factory(*shape)
         with stand_in_device("cuda", compute_capability=(9, 0)):
             ptx = cuda.compile_ptx(kernel.py_func, signature(kernel), cc=(9, 0))[0]
@@ -231,13 +233,15 @@ for family, shape in ((rank, (32, 1, 128, 32)), (warp, (32, 2, 1))):
 
 
 @pytest.mark.timeout(600)
-def test_the_addressed_merge_takes_25_parameter_words():
-    """64 words with Numba's six array structs; 25 with each array as its address and
-    shape (the README's "Arrays by address")."""
+def test_kernels_by_address_take_fewer_parameter_words():
+    """The pack: 36 words with Numba's three array structs, 17 with each array as its
+    address and shape; the merge + table: 64 and 25 (the README's "Arrays by address")."""
     proc = run_with_nvvm("-c", _PARAMS, timeout=500)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line.split() for line in proc.stdout.splitlines()]
-    assert lines == [["merge_topk_ids_and_table_rank", "64", "u64"],
-                     ["merge_topk_ids_and_table_addressed_rank", "25", "u64"],
-                     ["merge_topk_ids_and_table_warp", "64", "u64"],
-                     ["merge_topk_ids_and_table_addressed_warp", "25", "u64"]], proc.stdout
+    assert lines == [[f"{kernel}_{family}", words, "u64"] for family in ("rank", "warp")
+                     for kernel, words in (("shard_topk_keys", "36"),
+                                           ("shard_topk_keys_addressed", "17"),
+                                           ("merge_topk_ids_and_table", "64"),
+                                           ("merge_topk_ids_and_table_addressed", "25"))], \
+        proc.stdout

@@ -6,7 +6,8 @@ The lane count changes which stages stay inside a lane and which cross lanes
 kernels), so each width runs an exchange end to end (pack on every shard, merge, sparse
 table, equality with the unsharded oracle), world 1 in one kernel (with the
 table) and the two-level exchange's first merge, in a subprocess of its own; and
-the merge + table kernels that take their arrays by address, at 32 and 64 lanes.
+the pack and merge + table kernels that take their arrays by address, at 32 and 64
+lanes.
 """
 
 import os
@@ -48,10 +49,18 @@ heads, tokens, blocks, world, topk = 2, 3, 150, 3, 40
 scores = rng.standard_normal((heads, tokens, blocks)).astype(np.float32)
 seq_lens = np.array([blocks * 128, 97 * 128 + 5, 20 * 128], np.int32)
 window = dict(query_len=1, init_blocks=1, local_blocks=2)
-keys = np.stack([ref.local_topk_keys(ref.shard_scores(scores, rank=r, world=world,
-                                                      global_blocks=blocks),
-                                     seq_lens, topk=topk, rank=r, world=world,
-                                     global_blocks=blocks, **window) for r in range(world)])
+shards = [ref.shard_scores(scores, rank=r, world=world, global_blocks=blocks)
+          for r in range(world)]
+keys = np.zeros((world, heads, tokens, topk), np.int64)
+for r in range(world):
+    numba_cp.local_topk_keys(shards[r], seq_lens, topk=topk, rank=r, world=world,
+                             global_blocks=blocks, out=keys[r], method=method, addressed=True,
+                             **window)
+(pack,) = {{_numba.kernel_py_func(launch.kernel).__name__  # one per rank, one kernel
+            for launch in ops._PACK_LAUNCHES.values()}}
+expected_keys = np.stack([ref.local_topk_keys(shards[r], seq_lens, topk=topk, rank=r,
+                                              world=world, global_blocks=blocks, **window)
+                          for r in range(world)])
 table = rng.integers(0, 1000, size=(tokens, blocks), dtype=np.int32)
 idx = np.full((heads, tokens, topk), -7, np.int32)
 sbt = np.full((heads, tokens, topk * 8), -7, np.int32)
@@ -62,8 +71,9 @@ numba_cp.merge_topk_keys(keys, idx, seq_lens, attention_block_table=table,
 exp_idx, exp_sbt, exp_ctx = ref.merge_topk_keys(keys, seq_lens, topk=topk,
                                                 attention_block_table=table, **window)
 (launch,) = ops._MERGE_LAUNCHES.values()
-print(_numba.kernel_py_func(launch.kernel).__name__)
-print(np.array_equal(idx, exp_idx), np.array_equal(sbt, exp_sbt), np.array_equal(ctx, exp_ctx))
+print(pack, _numba.kernel_py_func(launch.kernel).__name__)
+print(np.array_equal(keys, expected_keys), np.array_equal(idx, exp_idx),
+      np.array_equal(sbt, exp_sbt), np.array_equal(ctx, exp_ctx))
 """
 
 
@@ -71,16 +81,17 @@ print(np.array_equal(idx, exp_idx), np.array_equal(sbt, exp_sbt), np.array_equal
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("method", ["warp", "rank"])
 @pytest.mark.parametrize("lanes", [32, 64])
-def test_addressed_table_merge_at_each_warp_width(lanes, method):
-    """The merge + table kernels that take their arrays by address
+def test_kernels_by_address_at_each_warp_width(lanes, method):
+    """The pack and merge + table kernels that take their arrays by address
     (``addressed=True``), against the oracle at the GPUs' widths."""
     env = dict(os.environ, NUMBA_CP_BACKEND="sim", NUMBA_CP_SIM_LANES=str(lanes),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", ADDRESSED_MERGE.format(method=method)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.split() == [f"merge_topk_ids_and_table_addressed_{method}", "True",
-                                   "True", "True"], proc.stdout + proc.stderr
+    assert proc.stdout.split() == [f"shard_topk_keys_addressed_{method}",
+                                   f"merge_topk_ids_and_table_addressed_{method}",
+                                   "True", "True", "True", "True"], proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("lanes", ["4", "64", None])

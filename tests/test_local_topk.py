@@ -1,12 +1,16 @@
 """local_topk_keys kernel against the NumPy oracle."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import numba_cp
+from numba_cp import _numba, ops
 from numba_cp import reference as ref
+from numba_cp.launcher import LaunchCache
 from support import THREADS, cases, launches, to_device, to_host
 
 SENTINEL = np.int64(-7)
@@ -46,6 +50,75 @@ def test_matches_oracle(case, data):
         extra_columns=data.draw(st.integers(0, 2), label="extra_columns"),
         **data.draw(launches(), label="launch"))
     np.testing.assert_array_equal(got, expected)
+
+
+def planned_pack(case, rank, **kwargs):
+    """run_shard on a launch cache of its own: its results and the kernel it planned."""
+    saved = ops._PACK_LAUNCHES
+    ops._PACK_LAUNCHES = LaunchCache()
+    try:
+        result = run_shard(case, rank, **kwargs)
+        (launch,) = ops._PACK_LAUNCHES.values()
+        return result, _numba.kernel_py_func(launch.kernel).__name__
+    finally:
+        ops._PACK_LAUNCHES = saved
+
+
+@settings(max_examples=30)
+@given(case=cases(), data=st.data())
+def test_pack_by_address_matches_oracle(case, data):
+    """With ``addressed=True`` the warp and rank packs take C-contiguous arrays by
+    address; strided views, the radix family and int64 seq_lens keep Numba's arrays.
+    Every result is the oracle's, and the tail of ``out`` stays untouched."""
+    strided = data.draw(st.booleans(), label="strided")
+    if data.draw(st.booleans(), label="int64 seq_lens"):
+        case = dataclasses.replace(case, seq_lens=case.seq_lens.astype(np.int64))
+    out_extra = data.draw(st.integers(0, 2), label="out_extra")
+    extra_columns = data.draw(st.integers(0, 2), label="extra_columns")
+    (got, expected, _), name = planned_pack(
+        case, data.draw(st.integers(0, case.world - 1), label="rank"), fill=np.inf,
+        extra_columns=extra_columns, out_extra=out_extra, strided=strided, addressed=True,
+        **data.draw(launches(), label="launch"))
+    np.testing.assert_array_equal(got[:, :, :case.topk], expected)
+    assert (got[:, :, case.topk:] == SENTINEL).all(), "columns past topk were written"
+    # run_shard's strided views, as NumPy judges them (an axis of extent 1 may have
+    # any stride), which is how the wrapper judges them too
+    local = -(-case.global_blocks // case.world) + extra_columns
+    heads, tokens, width = case.heads, case.tokens, case.topk + out_extra
+    contiguous = not strided or (
+        np.empty((tokens, heads, 2 * local + 1)).transpose(1, 0, 2)[:, :, 1::2]
+        .flags.c_contiguous and np.empty((heads, tokens, 2 * width))[:, :, ::2]
+        .flags.c_contiguous)
+    small_row_family = name.endswith(("_warp", "_rank"))
+    expect = small_row_family and contiguous and case.seq_lens.dtype == np.int32
+    assert name.endswith(("_addressed_warp", "_addressed_rank")) == expect, name
+
+
+@pytest.mark.parametrize("method", ["warp", "rank"])
+def test_addressed_picks_the_pack(method):
+    rng = np.random.default_rng(4)
+    case = cases_fixed(rng)
+    names = {}
+    for addressed in (None, False, True):
+        (got, expected, _), names[addressed] = planned_pack(case, 1, fill=np.inf,
+                                                            method=method, addressed=addressed)
+        np.testing.assert_array_equal(got, expected)
+    assert names == {None: f"shard_topk_keys_{method}", False: f"shard_topk_keys_{method}",
+                     True: f"shard_topk_keys_addressed_{method}"}
+
+
+def cases_fixed(rng):
+    from support import Case
+
+    return Case(rng.standard_normal((2, 3, 120)).astype(np.float32),
+                np.array([120 * 128, 50 * 128 + 3, 4 * 128], np.int32), world=3, topk=10,
+                query_len=1, global_blocks=120, init_blocks=1, local_blocks=2)
+
+
+def test_a_bad_addressed_is_named_by_the_pack():
+    case = cases_fixed(np.random.default_rng(0))
+    with pytest.raises(TypeError, match="addressed must be True, False or None"):
+        run_shard(case, 0, fill=np.inf, addressed="on")
 
 
 @settings(max_examples=15)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Array", "Address", "Scalar", "INTEGER", "WORD", "declare", "scalars"]
+__all__ = ["Array", "Address", "Scalar", "INTEGER", "WORD", "by_address", "declare",
+           "scalars"]
 
 INTEGER = "integer"
 WORD = "word"
@@ -37,6 +38,12 @@ class Array(NamedTuple):
 class Address(Array):
     """A C-contiguous array passed as ``(data address, *shape)``: ``ndim + 1`` int64
     words. Its wrapper launches it only with C-contiguous arrays."""
+
+
+def by_address(params):
+    """``params`` with every array an :class:`Address` (an :data:`INTEGER` one int32)."""
+    return tuple(Address(p.name, "int32" if p.dtype == INTEGER else p.dtype, p.ndim, "C")
+                 if isinstance(p, Array) else p for p in params)
 
 
 class Scalar(NamedTuple):

@@ -268,4 +268,5 @@ def selection(run, slots, threads, chunk):
 # Kernel factories: ``pack_kernel(run, slots, threads, chunk)`` and so on (kernels/shells.py).
 (pack_kernel, merge_kernel, merge_table_kernel, merge_keys_kernel, select_kernel,
  select_table_kernel, pack_to_peers_kernel, merge_delivered_kernel, merge_delivered_table_kernel,
- merge_delivered_keys_kernel, merge_table_addressed_kernel) = kernel_factories(selection)
+ merge_delivered_keys_kernel, merge_table_addressed_kernel,
+ pack_addressed_kernel) = kernel_factories(selection)

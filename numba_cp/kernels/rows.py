@@ -15,7 +15,7 @@ from ..backend import cuda
 from ..constants import PAGES, SPARSE_BLOCK
 from .ipc import PEER_SLOTS
 from .keys import causal_len_of, quotient, repin_key, score_key, valid_blocks_of
-from .params import INTEGER, Address, Array, scalars
+from .params import INTEGER, Array, by_address, scalars
 from .primitives import WARP_LANES, float_bits, inline_device, lane_counts
 
 __all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARAMS",
@@ -46,11 +46,10 @@ MERGE_TABLE_PARAMS = (*MERGE_PARAMS[:3], Array("block_table", "int32", 2),
                       *MERGE_PARAMS[3:], *scalars("page_stride"))
 SELECT_TABLE_PARAMS = (*SELECT_PARAMS[:3], *MERGE_TABLE_PARAMS[3:6], *SELECT_PARAMS[3:],
                        *scalars("page_stride"))
-# The merge + table over C-contiguous arrays (int32 seq_lens), each by its address
-# and shape: 25 parameter words instead of 64.
-MERGE_TABLE_ADDRESSED_PARAMS = tuple(
-    Address(p.name, "int32" if p.dtype == INTEGER else p.dtype, p.ndim, "C")
-    if isinstance(p, Array) else p for p in MERGE_TABLE_PARAMS)
+# The pack and the merge + table over C-contiguous arrays (int32 seq_lens), each by
+# its address and shape: 17 parameter words instead of 36, 25 instead of 64.
+PACK_ADDRESSED_PARAMS = by_address(PACK_PARAMS)
+MERGE_TABLE_ADDRESSED_PARAMS = by_address(MERGE_TABLE_PARAMS)
 
 
 # The delivered exchange (kernels/ipc.py): the pack writes its keys into every

@@ -28,7 +28,7 @@ from .primitives import WARP_LANES, c_array_at, chain_grids, inline_device
 from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
                    MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_ADDRESSED_PARAMS, MERGE_TABLE_PARAMS,
-                   PACK_PARAMS, PACK_TO_PEERS_PARAMS,
+                   PACK_ADDRESSED_PARAMS, PACK_PARAMS, PACK_TO_PEERS_PARAMS,
                    SELECT_PARAMS, SELECT_TABLE_PARAMS, gathered_key_of, gathered_load,
                    gathered_place, gathered_row, merged_block, shard_key_of, shard_load,
                    shard_place, shard_row, table_writer, whole_row, page_of,
@@ -128,6 +128,33 @@ def pack_kernel(sel):
                 out[uint64(head), uint64(row), uint64(v[s])] = acc[s]
 
     return _jit(shard_topk_keys, sel)
+
+
+@lru_cache(maxsize=None)
+def pack_addressed_kernel(sel):
+    """:func:`pack_kernel` over C-contiguous arrays given by address and shape."""
+    shard_select = _shard_select(sel)
+    shared_size = sel.shared_size
+    slots = sel.slots
+
+    @declare(*PACK_ADDRESSED_PARAMS, chained=True)
+    def shard_topk_keys_addressed(scores, seq_lens, out, topk, rank, world, query_len,
+                                  global_blocks, init_blocks, local_blocks):
+        chain_grids()
+        raw = cuda.local.array(slots, float32)
+        v = cuda.local.array(slots, int64)
+        t = cuda.local.array(slots, int64)
+        acc = cuda.local.array(slots, int64)
+        shared = cuda.shared.array(shared_size, int64)
+        keys = c_array_at(out, int64)
+        head, row = shard_select(c_array_at(scores, float32), c_array_at(seq_lens, int32),
+                                 rank, world, query_len, global_blocks, init_blocks,
+                                 local_blocks, raw, v, t, acc, shared)
+        for s in range(slots):
+            if v[s] < topk:
+                keys[uint64(head), uint64(row), uint64(v[s])] = acc[s]
+
+    return _jit(shard_topk_keys_addressed, sel)
 
 
 @lru_cache(maxsize=None)
@@ -514,11 +541,12 @@ KERNELS = ("pack_kernel", "merge_kernel", "merge_table_kernel", "merge_keys_kern
            "select_kernel", "select_table_kernel", "pack_to_peers_kernel",
            "merge_delivered_kernel", "merge_delivered_table_kernel",
            "merge_delivered_keys_kernel")
-# Built by the small-row families only (warp, rank), after KERNELS. The radix family's
-# rows are long, so its parameter block is no part of its time; compiled for gfx942
+# Built by the small-row families only (warp, rank), after KERNELS: the kernels over
+# arrays by address. The radix family's rows are long, so its parameter block is no
+# part of its time; compiled for gfx942
 # (tools/rocm_compile_check.sh, 2026-12-07) an addressed radix merge + table at sort
 # tile 2048 spilled 249 VGPRs where the array one spills 62.
-SMALL_ROW_KERNELS = ("merge_table_addressed_kernel",)
+SMALL_ROW_KERNELS = ("merge_table_addressed_kernel", "pack_addressed_kernel")
 
 
 def kernel_factories(selection):
