@@ -8,7 +8,7 @@ check (:mod:`numba_cp.compile_check`) builds Numba signatures from the same
 tuple, and neither can drift from the kernel.
 
 An :class:`Address` is an array the kernel receives as its data address and
-shape alone, all int64, and views with ``c_array_at`` (kernels/primitives.py):
+shape alone, all int64, and views with ``as_array`` (kernels/primitives.py):
 C-contiguous arrays only, in a parameter block a third the size of Numba's
 array structs (meminfo, parent, size, itemsize, data, shape, strides).
 

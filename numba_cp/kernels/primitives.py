@@ -32,7 +32,7 @@ if NAME != "sim":
 __all__ = ["inline_device", "float_bits", "bits_as_float64", "shared_atomic_add",
            "WARP_LANES", "lane_exchange", "lane_read", "lanes_all", "lane_counts",
            "block_any", "flag_load", "flag_store", "fence_system", "spin_pause", "clock_ns",
-           "ctrl_add", "ctrl_cas", "chain_grids", "c_array_at"]
+           "ctrl_add", "ctrl_cas", "chain_grids", "as_array"]
 
 
 def inline_device(fn):
@@ -681,18 +681,20 @@ else:
         pass
 
 
-# An array handed to a kernel as its bare address and shape (an ``Address``
-# parameter, kernels/params.py) instead of Numba's array struct: ``packed`` is
-# ``(address, *shape)``, all int64, and the array is C-contiguous. A kernel with
-# several arrays then reads a parameter block a third the size, so that its first
-# instructions wait on fewer constant-cache lines (g's merge + table: 25 words
-# instead of 64).
+# An array parameter's value as an array. An ``Array`` parameter (kernels/params.py)
+# is Numba's array struct already; an ``Address`` one is ``(address, *shape)``, all
+# int64, and stands for the C-contiguous ``dtype`` array there. A kernel with several
+# arrays then reads a parameter block a third the size, so that its first
+# instructions wait on fewer constant-cache lines (g's merge + table: 25 words instead
+# of 64). One kernel body serves both declarations.
 if NAME == "sim":
     from numba.np.numpy_support import as_dtype
 
-    def c_array_at(packed, dtype):
-        """The C-contiguous ``dtype`` array at ``packed = (address, *shape)``."""
-        address, shape = int(packed[0]), tuple(int(n) for n in packed[1:])
+    def as_array(param, dtype):
+        """``param`` itself, or the C-contiguous ``dtype`` array at ``(address, *shape)``."""
+        if not isinstance(param, tuple):
+            return param
+        address, shape = int(param[0]), tuple(int(n) for n in param[1:])
         element = as_dtype(dtype)
         count = int(np.prod(shape))
         if count == 0:
@@ -703,16 +705,20 @@ if NAME == "sim":
 else:
 
     @intrinsic
-    def c_array_at(typingctx, packed, dtype):
-        if not (isinstance(packed, types.UniTuple) and packed.dtype == types.int64
-                and packed.count >= 2 and isinstance(dtype, types.NumberClass)):
+    def as_array(typingctx, param, dtype):
+        if not isinstance(dtype, types.NumberClass):
+            return None
+        if isinstance(param, types.Array):
+            return param(param, dtype), lambda context, builder, sig, args: args[0]
+        if not (isinstance(param, types.UniTuple) and param.dtype == types.int64
+                and param.count >= 2):
             return None
         element = dtype.instance_type
-        ndim = packed.count - 1
+        ndim = param.count - 1
         array_type = types.Array(element, ndim, "C")
 
         def codegen(context, builder, sig, args):
-            address, *shape = cgutils.unpack_tuple(builder, args[0], packed.count)
+            address, *shape = cgutils.unpack_tuple(builder, args[0], param.count)
             intp = context.get_value_type(types.intp)
             itemsize = context.get_abi_sizeof(context.get_data_type(element))
             strides, stride = [], ir.Constant(intp, itemsize)
@@ -729,4 +735,4 @@ else:
             view.parent = ir.Constant(view.parent.type, None)
             return view._getvalue()
 
-        return array_type(packed, dtype), codegen
+        return array_type(param, dtype), codegen

@@ -24,7 +24,7 @@ from numba import float32, int32, int64, uint64
 from ..backend import TARGET, cuda
 from .ipc import await_delivery, close_delivery, deliver_key, delivery_base, open_delivery
 from .params import declare
-from .primitives import WARP_LANES, c_array_at, chain_grids, inline_device
+from .primitives import WARP_LANES, as_array, chain_grids, inline_device
 from .rows import (MERGE_DELIVERED_KEYS_PARAMS, MERGE_DELIVERED_PARAMS,
                    MERGE_DELIVERED_TABLE_PARAMS, MERGE_KEYS_PARAMS,
                    MERGE_PARAMS, MERGE_TABLE_ADDRESSED_PARAMS, MERGE_TABLE_PARAMS,
@@ -108,11 +108,21 @@ def _shard_select(sel):
 
 @lru_cache(maxsize=None)
 def pack_kernel(sel):
+    return _pack_kernel(sel, PACK_PARAMS, "shard_topk_keys")
+
+
+@lru_cache(maxsize=None)
+def pack_addressed_kernel(sel):
+    """:func:`pack_kernel` over C-contiguous arrays given by address and shape."""
+    return _pack_kernel(sel, PACK_ADDRESSED_PARAMS, "shard_topk_keys_addressed")
+
+
+def _pack_kernel(sel, params, name):
     shard_select = _shard_select(sel)
     shared_size = sel.shared_size
     slots = sel.slots
 
-    @declare(*PACK_PARAMS, chained=True)
+    @declare(*params, chained=True)
     def shard_topk_keys(scores, seq_lens, out, topk, rank, world, query_len,
                         global_blocks, init_blocks, local_blocks):
         chain_grids()
@@ -121,40 +131,16 @@ def pack_kernel(sel):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
-        head, row = shard_select(scores, seq_lens, rank, world, query_len, global_blocks,
-                                 init_blocks, local_blocks, raw, v, t, acc, shared)
-        for s in range(slots):
-            if v[s] < topk:
-                out[uint64(head), uint64(row), uint64(v[s])] = acc[s]
-
-    return _jit(shard_topk_keys, sel)
-
-
-@lru_cache(maxsize=None)
-def pack_addressed_kernel(sel):
-    """:func:`pack_kernel` over C-contiguous arrays given by address and shape."""
-    shard_select = _shard_select(sel)
-    shared_size = sel.shared_size
-    slots = sel.slots
-
-    @declare(*PACK_ADDRESSED_PARAMS, chained=True)
-    def shard_topk_keys_addressed(scores, seq_lens, out, topk, rank, world, query_len,
-                                  global_blocks, init_blocks, local_blocks):
-        chain_grids()
-        raw = cuda.local.array(slots, float32)
-        v = cuda.local.array(slots, int64)
-        t = cuda.local.array(slots, int64)
-        acc = cuda.local.array(slots, int64)
-        shared = cuda.shared.array(shared_size, int64)
-        keys = c_array_at(out, int64)
-        head, row = shard_select(c_array_at(scores, float32), c_array_at(seq_lens, int32),
-                                 rank, world, query_len, global_blocks, init_blocks,
-                                 local_blocks, raw, v, t, acc, shared)
+        keys = as_array(out, int64)
+        head, row = shard_select(as_array(scores, float32), as_array(seq_lens, int32), rank,
+                                 world, query_len, global_blocks, init_blocks, local_blocks,
+                                 raw, v, t, acc, shared)
         for s in range(slots):
             if v[s] < topk:
                 keys[uint64(head), uint64(row), uint64(v[s])] = acc[s]
 
-    return _jit(shard_topk_keys_addressed, sel)
+    shard_topk_keys.__name__ = name
+    return _jit(shard_topk_keys, sel)
 
 
 @lru_cache(maxsize=None)
@@ -368,11 +354,22 @@ def merge_kernel(sel):
 
 @lru_cache(maxsize=None)
 def merge_table_kernel(sel):
+    return _merge_table_kernel(sel, MERGE_TABLE_PARAMS, "merge_topk_ids_and_table")
+
+
+@lru_cache(maxsize=None)
+def merge_table_addressed_kernel(sel):
+    """:func:`merge_table_kernel` over C-contiguous arrays given by address and shape."""
+    return _merge_table_kernel(sel, MERGE_TABLE_ADDRESSED_PARAMS,
+                               "merge_topk_ids_and_table_addressed")
+
+
+def _merge_table_kernel(sel, params, name):
     merge_with_table = _merge_with_table(sel)
     shared_size = sel.shared_size
     slots = sel.slots
 
-    @declare(*MERGE_TABLE_PARAMS, chained=True)
+    @declare(*params, chained=True)
     def merge_topk_ids_and_table(keys, topk_idx, seq_lens, block_table, sparse_table,
                                  context_lens, query_len, init_blocks, local_blocks,
                                  page_stride):
@@ -382,38 +379,15 @@ def merge_table_kernel(sel):
         t = cuda.local.array(slots, int64)
         acc = cuda.local.array(slots, int64)
         shared = cuda.shared.array(shared_size, int64)
-        merge_with_table(keys, 0, keys.shape[0], topk_idx, seq_lens, block_table, sparse_table,
-                         context_lens, query_len, init_blocks, local_blocks, page_stride, raw,
-                         v, t, acc, shared)
-
-    return _jit(merge_topk_ids_and_table, sel)
-
-
-@lru_cache(maxsize=None)
-def merge_table_addressed_kernel(sel):
-    """:func:`merge_table_kernel` over C-contiguous arrays given by address and shape."""
-    merge_with_table = _merge_with_table(sel)
-    shared_size = sel.shared_size
-    slots = sel.slots
-
-    @declare(*MERGE_TABLE_ADDRESSED_PARAMS, chained=True)
-    def merge_topk_ids_and_table_addressed(keys, topk_idx, seq_lens, block_table,
-                                           sparse_table, context_lens, query_len, init_blocks,
-                                           local_blocks, page_stride):
-        chain_grids()
-        raw = cuda.local.array(slots, int64)
-        v = cuda.local.array(slots, int64)
-        t = cuda.local.array(slots, int64)
-        acc = cuda.local.array(slots, int64)
-        shared = cuda.shared.array(shared_size, int64)
-        gathered = c_array_at(keys, int64)
-        merge_with_table(gathered, 0, gathered.shape[0], c_array_at(topk_idx, int32),
-                         c_array_at(seq_lens, int32), c_array_at(block_table, int32),
-                         c_array_at(sparse_table, int32), c_array_at(context_lens, int32),
+        gathered = as_array(keys, int64)
+        merge_with_table(gathered, 0, gathered.shape[0], as_array(topk_idx, int32),
+                         as_array(seq_lens, int32), as_array(block_table, int32),
+                         as_array(sparse_table, int32), as_array(context_lens, int32),
                          query_len, init_blocks, local_blocks, page_stride, raw, v, t, acc,
                          shared)
 
-    return _jit(merge_topk_ids_and_table_addressed, sel)
+    merge_topk_ids_and_table.__name__ = name
+    return _jit(merge_topk_ids_and_table, sel)
 
 
 @lru_cache(maxsize=None)
