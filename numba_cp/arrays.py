@@ -160,17 +160,11 @@ def _contiguous_strides(shape, itemsize):
 def c_contiguous(array: KernelArray) -> bool:
     """Whether ``array``'s elements lie in C order with no gaps (an axis of extent 1
     may have any stride; an empty array is contiguous)."""
-    if any(n == 0 for n in array.shape):
+    if array.strides is None or 0 in array.shape:
         return True
-    strides = array.strides
-    if strides is None:
-        return True
-    step = array.dtype.itemsize
-    for n, stride in zip(reversed(array.shape), reversed(strides)):
-        if n != 1 and stride != step:
-            return False
-        step *= n
-    return True
+    packed = _contiguous_strides(array.shape, array.dtype.itemsize)
+    return all(n == 1 or stride == step
+               for n, stride, step in zip(array.shape, array.strides, packed))
 
 
 def data_address(array: KernelArray) -> int:
