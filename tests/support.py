@@ -3,6 +3,8 @@ cases (from numba_cp.testing), and the mpiexec runner."""
 
 from __future__ import annotations
 
+import contextlib
+
 from hypothesis import strategies as st
 
 from numba_cp.arrays import device_copy, host_copy
@@ -38,6 +40,23 @@ def launches():
         method=st.just("radix"), threads=st.sampled_from([1, 3, THREADS]),
         sort_limit=st.sampled_from([None, 1, 5])))
     return st.one_of(warp, rank, radix, st.just(dict(method="auto")))
+
+
+@contextlib.contextmanager
+def planned_kernels(cache):
+    """``ops``' launch cache ``cache`` (``"_PACK_LAUNCHES"``, ``"_MERGE_LAUNCHES"``)
+    emptied while inside; yields a list that holds, on exit, the names of the kernels
+    the calls inside planned."""
+    from numba_cp import _numba, launcher, ops
+
+    saved, names = getattr(ops, cache), []
+    setattr(ops, cache, launcher.LaunchCache())
+    try:
+        yield names
+        names.extend(_numba.kernel_py_func(launch.kernel).__name__
+                     for launch in getattr(ops, cache).values())
+    finally:
+        setattr(ops, cache, saved)
 
 
 # The case strategy and its pieces are public, for people testing their own

@@ -8,10 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import numba_cp
-from numba_cp import _numba, ops
 from numba_cp import reference as ref
-from numba_cp.launcher import LaunchCache
-from support import THREADS, cases, launches, to_device, to_host
+from support import THREADS, Case, cases, launches, planned_kernels, to_device, to_host
 
 SENTINEL = np.int64(-7)
 
@@ -54,14 +52,10 @@ def test_matches_oracle(case, data):
 
 def planned_pack(case, rank, **kwargs):
     """run_shard on a launch cache of its own: its results and the kernel it planned."""
-    saved = ops._PACK_LAUNCHES
-    ops._PACK_LAUNCHES = LaunchCache()
-    try:
+    with planned_kernels("_PACK_LAUNCHES") as names:
         result = run_shard(case, rank, **kwargs)
-        (launch,) = ops._PACK_LAUNCHES.values()
-        return result, _numba.kernel_py_func(launch.kernel).__name__
-    finally:
-        ops._PACK_LAUNCHES = saved
+    (name,) = names
+    return result, name
 
 
 @settings(max_examples=30)
@@ -94,10 +88,15 @@ def test_pack_by_address_matches_oracle(case, data):
     assert name.endswith(("_addressed_warp", "_addressed_rank")) == expect, name
 
 
+def fixed_case(rng):
+    return Case(rng.standard_normal((2, 3, 120)).astype(np.float32),
+                np.array([120 * 128, 50 * 128 + 3, 4 * 128], np.int32), world=3, topk=10,
+                query_len=1, global_blocks=120, init_blocks=1, local_blocks=2)
+
+
 @pytest.mark.parametrize("method", ["warp", "rank"])
 def test_addressed_picks_the_pack(method):
-    rng = np.random.default_rng(4)
-    case = cases_fixed(rng)
+    case = fixed_case(np.random.default_rng(4))
     names = {}
     for addressed in (None, False, True):
         (got, expected, _), names[addressed] = planned_pack(case, 1, fill=np.inf,
@@ -107,16 +106,8 @@ def test_addressed_picks_the_pack(method):
                      True: f"shard_topk_keys_addressed_{method}"}
 
 
-def cases_fixed(rng):
-    from support import Case
-
-    return Case(rng.standard_normal((2, 3, 120)).astype(np.float32),
-                np.array([120 * 128, 50 * 128 + 3, 4 * 128], np.int32), world=3, topk=10,
-                query_len=1, global_blocks=120, init_blocks=1, local_blocks=2)
-
-
 def test_a_bad_addressed_is_named_by_the_pack():
-    case = cases_fixed(np.random.default_rng(0))
+    case = fixed_case(np.random.default_rng(0))
     with pytest.raises(TypeError, match="addressed must be True, False or None"):
         run_shard(case, 0, fill=np.inf, addressed="on")
 

@@ -1,6 +1,5 @@
 """merge_topk_keys kernel (and its fused sparse block table) against the NumPy oracle."""
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -9,12 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import numba_cp
-from numba_cp import _numba, ops
 from numba_cp import reference as ref
-from numba_cp.launcher import LaunchCache
 from numba_cp.backend import TARGET
 from numba_cp.constants import PAGES
-from support import Case, cases, launches, to_device, to_host
+from support import Case, cases, launches, planned_kernels, to_device, to_host
 
 SENTINEL = -7
 
@@ -207,22 +204,6 @@ def test_sorted_gather_fast_path_and_its_check(n, swap):
 # The merge + table kernels that take their arrays by address and shape
 
 
-@contextlib.contextmanager
-def own_merge_launches():
-    """A launch cache of its own, so that the launches planned inside can be read."""
-    saved = ops._MERGE_LAUNCHES
-    ops._MERGE_LAUNCHES = LaunchCache()
-    try:
-        yield
-    finally:
-        ops._MERGE_LAUNCHES = saved
-
-
-def merge_kernel_names():
-    return [_numba.kernel_py_func(launch.kernel).__name__
-            for launch in ops._MERGE_LAUNCHES.values()]
-
-
 @pytest.mark.slow
 @settings(max_examples=30)
 @given(case=cases(max_heads=3), data=st.data())
@@ -243,11 +224,11 @@ def test_sparse_table_by_address_matches_oracle(case, data):
     strided = keys_strided and not np.zeros(keys.shape + (2,))[..., 0].flags.c_contiguous
     if wide_seq_lens:
         case = dataclasses.replace(case, seq_lens=case.seq_lens.astype(np.int64))
-    with own_merge_launches():
+    with planned_kernels("_MERGE_LAUNCHES") as names:
         run_merge(keys, case, table=table, layout=layout, keys_strided=keys_strided,
                   stride=data.draw(st.sampled_from([None, 16, 0]), label="stride"),
                   addressed=True, **launch)
-        (name,) = merge_kernel_names()
+    (name,) = names
     small_row_family = name.endswith(("_warp", "_rank"))
     assert ("_addressed" in name) == (small_row_family and not strided and not wide_seq_lens), \
         name
@@ -265,9 +246,9 @@ def test_addressed_and_array_merges_agree(method):
     table = block_table(rng, case)
     names = {}
     for addressed in (None, False, True):
-        with own_merge_launches():
+        with planned_kernels("_MERGE_LAUNCHES") as planned:
             run_merge(keys, case, table=table, method=method, addressed=addressed)
-            (names[addressed],) = merge_kernel_names()
+        (names[addressed],) = planned
     array, by_address = (f"merge_topk_ids_and_table_{method}",
                          f"merge_topk_ids_and_table_addressed_{method}")
     assert names == {None: array, False: array, True: by_address}
