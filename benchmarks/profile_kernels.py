@@ -8,9 +8,10 @@
 ``probes``: device µs per call (CUDA-graph replay, as bench_kernels.py) of the
 pack and merge of each case (the pack and a merge with the table also with their
 arrays by address: ``pack_by_address``, ``merge_by_address``) beside probes with the
-pack's grid and one warp per row: loads independent of seq_lens (``floor_indep``: bench_kernels.py's
-floor probe), score loads that wait for seq_lens (``floor_dep``), and the same after
-two int64 divisions (``floor_div64``); the floor with a parameter block about
+pack's grid and one warp per row: loads independent of seq_lens (``floor_indep``:
+bench_kernels.py's floor probe), score loads that wait for seq_lens (``floor_dep``),
+and the same after two int64 divisions (``floor_div64``); the floor with a parameter
+block about
 as large as the merge + table kernel's, seven more 3-D arrays and four scalars
 (``floor_wide``), the same reading a word from every line of that block
 (``floor_wide_read``); and with blocks of 64 and 128 threads that
@@ -34,23 +35,21 @@ from bench_kernels import CASES, case_arrays, device_us, floor_kernel, floor_row
 from numba_cp import ops
 
 
-def build(name, method="auto", addressed=None):
-    """``(pack, merge, table_on, shard, seq_lens, out)`` of a bench_kernels case
-    (``addressed``: the keyword of the pack and of the merge with the table)."""
+def build(name, method="auto"):
+    """``(pack, merge, table_on, shard, seq_lens, out)`` of a bench_kernels case; the
+    pack and merge take more keywords (``addressed=``)."""
     topk, window, shard_args, a = case_arrays(name)
     table_on = CASES[name][6]
     tables = {k: a[k] for k in ("attention_block_table", "sparse_block_table_out",
                                 "sparse_context_lens_out") if k in a}
 
-    def pack(stream=None):
-        extra = dict(addressed=addressed) if addressed is not None else {}
+    def pack(stream=None, **launch):
         numba_cp.local_topk_keys(a["scores"], a["seq_lens"], topk=topk, rank=0, out=a["out"],
-                                 stream=stream, method=method, **shard_args, **extra)
+                                 stream=stream, method=method, **shard_args, **launch)
 
-    def merge(stream=None):
-        extra = dict(addressed=addressed) if tables and addressed is not None else {}
+    def merge(stream=None, **launch):
         numba_cp.merge_topk_keys(a["keys"], a["topk_idx"], a["seq_lens"], stream=stream,
-                                 method=method, **window, **tables, **extra)
+                                 method=method, **window, **tables, **launch)
 
     return pack, merge, table_on, a["scores"], a["seq_lens"], a["out"]
 
@@ -129,13 +128,14 @@ def probes(cases):
         grid = (out.shape[1], out.shape[0])
         row = {"case": name}
         with stream:
-            by_address = build(name, addressed=True)
             if not table_on:
                 row["pack"] = device_us(pack, stream, 50, 20)
-                row["pack_by_address"] = device_us(by_address[0], stream, 50, 20)
+                row["pack_by_address"] = device_us(lambda s: pack(s, addressed=True),
+                                                   stream, 50, 20)
             row["merge"] = device_us(merge, stream, 50, 20)
             if table_on:
-                row["merge_by_address"] = device_us(by_address[1], stream, 50, 20)
+                row["merge_by_address"] = device_us(lambda s: merge(s, addressed=True),
+                                                    stream, 50, 20)
             row["floor_indep"] = device_us(
                 lambda s: floor_indep[grid, 32, numba_stream](shard, seq_lens, probe_out),
                 stream, 50, 20)
@@ -166,11 +166,11 @@ def launch(cases, sass_path, method, addressed):
     import cupy
 
     for name in cases:
-        pack, merge, table_on, *_ = build(name, method, addressed)
+        pack, merge, table_on, *_ = build(name, method)
         for _ in range(2):
             if not table_on:
-                pack()
-            merge()
+                pack(addressed=addressed)
+            merge(addressed=addressed)
         cupy.cuda.runtime.deviceSynchronize()
     if not sass_path:
         return
