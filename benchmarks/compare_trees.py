@@ -9,8 +9,9 @@ addresses. Here every tree launches on the very same arrays, so only the kernels
 differ. Each CHECKOUT's ``numba_cp`` package is copied under a name of its own
 (``numba_cp_1``, ...; the package imports itself only relatively) and keeps its own
 kernel cache. For each bench_kernels.py case: the pack (cases without a table), the
-merge, world 1 in one kernel, and in case g the warp kernels' merge too, and the pack
-and merges with the arrays by address where the tree has them (``addressed=True``), each the
+merge, world 1 in one kernel, and in case g the warp kernels' merge too, and where the
+tree takes ``addressed=`` the pack and merges again with Numba's array parameters
+(``addressed=False``; its default takes the arrays by address), each the
 median of ``--repeats`` CUDA-graph timings interleaved across the trees. ``--warm``
 only compiles (run one per tree in parallel first: ``--only N``, 0 being this
 tree). Speed is only ever measured here, never asserted in tests.
@@ -83,17 +84,17 @@ def calls(name, trees):
         if not table_on:
             out.append((name, "pack", label, pack))
             if "addressed" in inspect.signature(pkg.local_topk_keys).parameters:
-                out.append((name, "pack, by address", label,
-                            lambda s, pack=pack: pack(s, addressed=True)))
+                out.append((name, "pack, Numba's arrays", label,
+                            lambda s, pack=pack: pack(s, addressed=False)))
         out.append((name, "merge", label, merge))
         if table_on:
             out.append((name, "merge (warp)", label,
                         lambda s, merge=merge: merge(s, method="warp")))
             if "addressed" in inspect.signature(pkg.merge_topk_keys).parameters:
-                out.append((name, "merge, by address", label,
-                            lambda s, merge=merge: merge(s, addressed=True)))
-                out.append((name, "merge (warp), by address", label,
-                            lambda s, merge=merge: merge(s, method="warp", addressed=True)))
+                out.append((name, "merge, Numba's arrays", label,
+                            lambda s, merge=merge: merge(s, addressed=False)))
+                out.append((name, "merge (warp), Numba's arrays", label,
+                            lambda s, merge=merge: merge(s, method="warp", addressed=False)))
         out.append((name, "world 1", label, world1))
     return out
 

@@ -2,13 +2,13 @@
 
     NUMBA_CP_BACKEND=cuda python benchmarks/profile_kernels.py probes [--cases a,b,g]
     NUMBA_CP_BACKEND=cuda python benchmarks/profile_kernels.py launch [--cases a,b,g] [--sass F]
-        [--method M] [--addressed]
+        [--method M] [--addressed on|off]
     bash benchmarks/ncu_small_rows.sh            # Nsight Compute over ``launch``
 
 ``probes``: device µs per call (CUDA-graph replay, as bench_kernels.py) of the
-pack and merge of each case (the pack and a merge with the table also with their
-arrays by address: ``pack_by_address``, ``merge_by_address``) beside probes with the
-pack's grid and one warp per row: loads independent of seq_lens (``floor_indep``:
+pack and merge of each case (the pack and a merge with the table also with Numba's
+array parameters, ``addressed=False``: ``pack_arrays``, ``merge_arrays``) beside probes
+with the pack's grid and one warp per row: loads independent of seq_lens (``floor_indep``:
 bench_kernels.py's floor probe), score loads that wait for seq_lens (``floor_dep``),
 and the same after two int64 divisions (``floor_div64``); the floor with a parameter
 block about
@@ -130,12 +130,12 @@ def probes(cases):
         with stream:
             if not table_on:
                 row["pack"] = device_us(pack, stream, 50, 20)
-                row["pack_by_address"] = device_us(lambda s: pack(s, addressed=True),
-                                                   stream, 50, 20)
+                row["pack_arrays"] = device_us(lambda s: pack(s, addressed=False),
+                                               stream, 50, 20)
             row["merge"] = device_us(merge, stream, 50, 20)
             if table_on:
-                row["merge_by_address"] = device_us(lambda s: merge(s, addressed=True),
-                                                    stream, 50, 20)
+                row["merge_arrays"] = device_us(lambda s: merge(s, addressed=False),
+                                                stream, 50, 20)
             row["floor_indep"] = device_us(
                 lambda s: floor_indep[grid, 32, numba_stream](shard, seq_lens, probe_out),
                 stream, 50, 20)
@@ -192,9 +192,9 @@ def main(argv=None):
     p.add_argument("--sass", default=None, help="launch: write the kernels' SASS here")
     p.add_argument("--method", choices=numba_cp.METHODS, default="auto",
                    help="launch: the kernel family")
-    p.add_argument("--addressed", action="store_true",
-                   help="launch: the pack and the merge with the table take their arrays "
-                        "by address")
+    p.add_argument("--addressed", choices=("on", "off"), default=None,
+                   help="launch: whether the pack and the merge with the table take their "
+                        "arrays by address (default: the package's, on)")
     args = p.parse_args(argv)
     if numba_cp.backend.TARGET.simulator:
         raise SystemExit("profile_kernels.py profiles a GPU: run it with NUMBA_CP_BACKEND=cuda "
@@ -206,7 +206,8 @@ def main(argv=None):
     if args.mode == "probes":
         probes(cases)
     else:
-        launch(cases, args.sass, args.method, True if args.addressed else None)
+        launch(cases, args.sass, args.method,
+               None if args.addressed is None else args.addressed == "on")
     return 0
 
 

@@ -33,9 +33,9 @@ def main(argv=None) -> int:
     p.add_argument("--local-blocks", type=int, default=2)
     p.add_argument("--method", choices=numba_cp.METHODS, default="auto")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--addressed", action="store_true",
-                   help="the pack and the merge with the table take their arrays by "
-                        "address (addressed=True)")
+    p.add_argument("--addressed", choices=("on", "off"), default="on",
+                   help="whether the pack and the merge with the table take their arrays "
+                        "by address (on, the default) or as Numba's arrays (off)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     for r, shard in enumerate(shards):
         numba_cp.local_topk_keys(device_copy(shard), seq_lens, topk=a.topk, rank=r,
                                  out=gathered[r], method=a.method, threads=a.threads,
-                                 addressed=a.addressed or None, **shard_args)
+                                 addressed=a.addressed == "on", **shard_args)
     requests = work.seq_lens.size
     table = np.random.default_rng(a.seed + 1).integers(
         0, 1 << 20, size=(requests, work.global_blocks), dtype=np.int32)
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     ctx = device_copy(np.zeros((a.heads, work.tokens), np.int32))
     numba_cp.merge_topk_keys(gathered, topk_idx, seq_lens, attention_block_table=device_copy(table),
                              sparse_block_table_out=sbt, sparse_context_lens_out=ctx,
-                             method=a.method, threads=a.threads, addressed=a.addressed or None,
+                             method=a.method, threads=a.threads, addressed=a.addressed == "on",
                              **window)
     # world 1 in one kernel, on the whole rows, with the table
     whole_idx = device_copy(np.zeros_like(host_copy(topk_idx)))

@@ -53,12 +53,12 @@ RANK_CHUNK = 64
 # of 17 words instead of Numba's 36 (pack) and 25 instead of 64 (merge + table).
 # Compiled for sm_90 as "auto" launches them (tools/param_lines.py), b's pack reads 4
 # of constant bank 0's 64-byte lines instead of 6 (864 instructions of code instead
-# of 872), g's merge + table 5 instead of 10 (1208 instead of 1272). On the H200,
-# reading a word from every line of a 64-word block cost a launch 0.16-0.33 us more
-# than reading its first lines (BENCHMARKS.md, "Chained launches on one NVIDIA H200,
-# 2026-12-07"). These kernels' own device times have not been measured, so they are
-# off by default.
-ADDRESSED_DEFAULT = False
+# of 872), g's merge + table 5 instead of 10 (1208 instead of 1272). On one H100, every
+# kernel on the same arrays (compare_trees.py, median of 7 graph timings), g's merge +
+# table took 1.81 us by address against 2.12 (its warp kernel 2.28 against 2.38), a's
+# pack 1.45 against 1.49, b's pack 2.22 against 2.23: never slower, so on by default
+# (BENCHMARKS.md, "Arrays by address on one NVIDIA H100, 2026-12-07").
+ADDRESSED_DEFAULT = True
 
 
 def _next_pow2(n: int) -> int:
@@ -229,7 +229,7 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
             these.
         addressed: whether the warp and rank kernels take the arrays by address
             and shape, a smaller kernel parameter block (where every array is
-            C-contiguous and ``seq_lens`` is int32; None: the default, off). It
+            C-contiguous and ``seq_lens`` is int32; None: the default, on). It
             never changes the result either.
 
     Returns:
@@ -486,7 +486,7 @@ def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_b
         addressed: with the table, whether the warp and rank kernels take the
             arrays by address and shape, a smaller kernel parameter block (where
             every array is C-contiguous and ``seq_lens`` is int32; None: the
-            default, off). Like ``threads``, it never changes the result.
+            default, on). Like ``threads``, it never changes the result.
 
     Returns:
         ``topk_idx``.

@@ -6,8 +6,8 @@ The lane count changes which stages stay inside a lane and which cross lanes
 kernels), so each width runs an exchange end to end (pack on every shard, merge, sparse
 table, equality with the unsharded oracle), world 1 in one kernel (with the
 table) and the two-level exchange's first merge, in a subprocess of its own; and
-the pack and merge + table kernels that take their arrays by address, at 32 and 64
-lanes.
+the pack and merge + table kernels, over arrays by address and over Numba's arrays,
+at 32 and 64 lanes.
 """
 
 import os
@@ -39,11 +39,11 @@ def test_exchange_is_exact_at_each_warp_width(lanes, method):
         assert f"ok   {check}" in proc.stdout, proc.stdout
 
 
-ADDRESSED_MERGE = """
+PACK_AND_MERGE_TABLE = """
 import numpy as np
 import numba_cp
 from numba_cp import _numba, ops, reference as ref
-method = {method!r}
+method, addressed = {method!r}, {addressed!r}
 rng = np.random.default_rng(3)
 heads, tokens, blocks, world, topk = 2, 3, 150, 3, 40
 scores = rng.standard_normal((heads, tokens, blocks)).astype(np.float32)
@@ -54,7 +54,7 @@ shards = [ref.shard_scores(scores, rank=r, world=world, global_blocks=blocks)
 keys = np.zeros((world, heads, tokens, topk), np.int64)
 for r in range(world):
     numba_cp.local_topk_keys(shards[r], seq_lens, topk=topk, rank=r, world=world,
-                             global_blocks=blocks, out=keys[r], method=method, addressed=True,
+                             global_blocks=blocks, out=keys[r], method=method, addressed=addressed,
                              **window)
 (pack,) = {{_numba.kernel_py_func(launch.kernel).__name__  # one per rank, one kernel
             for launch in ops._PACK_LAUNCHES.values()}}
@@ -67,7 +67,7 @@ sbt = np.full((heads, tokens, topk * 8), -7, np.int32)
 ctx = np.full((heads, tokens), -7, np.int32)
 numba_cp.merge_topk_keys(keys, idx, seq_lens, attention_block_table=table,
                          sparse_block_table_out=sbt, sparse_context_lens_out=ctx,
-                         method=method, addressed=True, **window)
+                         method=method, addressed=addressed, **window)
 exp_idx, exp_sbt, exp_ctx = ref.merge_topk_keys(keys, seq_lens, topk=topk,
                                                 attention_block_table=table, **window)
 (launch,) = ops._MERGE_LAUNCHES.values()
@@ -81,16 +81,19 @@ print(np.array_equal(keys, expected_keys), np.array_equal(idx, exp_idx),
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("method", ["warp", "rank"])
 @pytest.mark.parametrize("lanes", [32, 64])
-def test_kernels_by_address_at_each_warp_width(lanes, method):
-    """The pack and merge + table kernels that take their arrays by address
-    (``addressed=True``), against the oracle at the GPUs' widths."""
+@pytest.mark.parametrize("addressed", [True, False])
+def test_pack_and_merge_table_kernels_at_each_warp_width(lanes, method, addressed):
+    """The pack and merge + table kernels over arrays by address (the default) and
+    over Numba's arrays (``addressed=False``), against the oracle at the GPUs' widths."""
     env = dict(os.environ, NUMBA_CP_BACKEND="sim", NUMBA_CP_SIM_LANES=str(lanes),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", ADDRESSED_MERGE.format(method=method)],
+    script = PACK_AND_MERGE_TABLE.format(method=method, addressed=addressed)
+    proc = subprocess.run([sys.executable, "-c", script],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.split() == [f"shard_topk_keys_addressed_{method}",
-                                   f"merge_topk_ids_and_table_addressed_{method}",
+    by = "_addressed" if addressed else ""
+    assert proc.stdout.split() == [f"shard_topk_keys{by}_{method}",
+                                   f"merge_topk_ids_and_table{by}_{method}",
                                    "True", "True", "True", "True"], proc.stdout + proc.stderr
 
 

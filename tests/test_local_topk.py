@@ -102,7 +102,8 @@ def test_addressed_picks_the_pack(method):
         (got, expected, _), names[addressed] = planned_pack(case, 1, fill=np.inf,
                                                             method=method, addressed=addressed)
         np.testing.assert_array_equal(got, expected)
-    assert names == {None: f"shard_topk_keys_{method}", False: f"shard_topk_keys_{method}",
+    assert names == {None: f"shard_topk_keys_addressed_{method}",
+                     False: f"shard_topk_keys_{method}",
                      True: f"shard_topk_keys_addressed_{method}"}
 
 

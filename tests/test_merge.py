@@ -237,7 +237,7 @@ def test_sparse_table_by_address_matches_oracle(case, data):
 @pytest.mark.parametrize("method", ["warp", "rank"])
 def test_addressed_and_array_merges_agree(method):
     """The same merge + table through both kernels of a family: the outputs match the
-    oracle, and ``addressed`` picks the kernel (off by default)."""
+    oracle, and ``addressed`` picks the kernel (on by default)."""
     rng = np.random.default_rng(8)
     case = Case(rng.standard_normal((2, 3, 90)).astype(np.float32),
                 np.array([90 * 128, 41 * 128 + 5, 2 * 128], np.int32), world=3, topk=12,
@@ -251,7 +251,7 @@ def test_addressed_and_array_merges_agree(method):
         (names[addressed],) = planned
     array, by_address = (f"merge_topk_ids_and_table_{method}",
                          f"merge_topk_ids_and_table_addressed_{method}")
-    assert names == {None: array, False: array, True: by_address}
+    assert names == {None: by_address, False: array, True: by_address}
 
 
 @pytest.mark.parametrize("addressed", ["yes", 1, 0.0])
