@@ -11,7 +11,8 @@ init_blocks 1, local_blocks 2):
 * ``device us``: N calls captured in one CUDA graph on a CuPy stream and replayed;
   time per call, so launch cost is excluded.
 * ``eager us``: Python call -> work queued, CuPy arrays in, over ``--calls`` calls, the
-  best of ``--rounds`` rounds; ``torch in``:
+  best of rounds spread over the whole run (one after each case, ``--rounds`` more at
+  the end, a second apart); ``torch in``:
   the same calls with PyTorch tensors over the same memory, on PyTorch's current stream.
 * ``torch``: the same exchange written in plain PyTorch (int64 key packing +
   ``torch.topk``), graph-replayed and eager, plus ``torch.topk`` over the full
@@ -155,20 +156,34 @@ def floor_row():
 EAGER_ROUNDS = 3
 
 
-def eager_us(call, stream, calls, rounds=EAGER_ROUNDS):
-    """µs per call of ``calls`` back-to-back calls and one synchronisation, the best of
-    ``rounds`` rounds: a host cost, read as timeit reads one, so that another process's
-    burst on a shared host does not stand for the call's own cost."""
-    call(stream)
-    stream.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call(stream)
+class EagerRounds:
+    """Host µs per eager call: ``calls`` back-to-back calls and one synchronisation, the
+    best of rounds spread over the whole run, read as timeit reads a host cost.
+
+    One host's eager figures moved by up to 6 µs between stretches of a few seconds of
+    one process while device figures repeated to 0.01 µs (results/h100-2026-12-07/,
+    eager_variants_0d8a4c6.txt): rounds back to back all fall in one stretch, so each
+    call's rounds are taken seconds apart instead. ``add`` registers a call (after one
+    untimed call); ``run_round`` times one round of every call registered so far.
+    """
+
+    def __init__(self, calls):
+        self.calls = calls
+        self.entries = []  # (row, key, call(stream), stream: has synchronize())
+
+    def add(self, row, key, call, stream):
+        call(stream)
         stream.synchronize()
-        best = min(best, (time.perf_counter() - start) * 1e6 / calls)
-    return best
+        self.entries.append((row, key, call, stream))
+
+    def run_round(self):
+        for row, key, call, stream in self.entries:
+            start = time.perf_counter()
+            for _ in range(self.calls):
+                call(stream)
+            stream.synchronize()
+            took = (time.perf_counter() - start) * 1e6 / self.calls
+            row[key] = min(row.get(key, float("inf")), took)
 
 
 class TorchExchange:
@@ -272,7 +287,10 @@ def torch_times(torch, fn, per_graph, replays, calls):
     return device, (time.perf_counter() - t0) * 1e6 / calls
 
 
-def run_case(name, args, torch):
+def run_case(name, args, torch, eager):
+    """Case ``name``'s row, its eager calls registered with ``eager``, and ``finish()``:
+    the check of every output against the oracle and the PyTorch baseline, to run after
+    the last eager round (the eager calls rewrite the outputs it checks)."""
     import cupy
 
     context, world, topk, batch, query_len, heads, table_on = CASES[name]
@@ -339,9 +357,9 @@ def run_case(name, args, torch):
     with stream:
         if not table_on:
             row["pack_device_us"] = device_us(pack, stream, args.per_graph, args.replays)
-            row["pack_eager_us"] = eager_us(pack, stream, args.calls, args.rounds)
+            eager.add(row, "pack_eager_us", pack, stream)
         row["merge_device_us"] = device_us(merge, stream, args.per_graph, args.replays)
-        row["merge_eager_us"] = eager_us(merge, stream, args.calls, args.rounds)
+        eager.add(row, "merge_eager_us", merge, stream)
         world1_idx = cupy.zeros_like(topk_idx)
         world1_tables = {k: cupy.zeros_like(v) if k.endswith("_out") else v
                          for k, v in tables.items()}
@@ -353,7 +371,7 @@ def run_case(name, args, torch):
                             **launch)
 
         row["world1_device_us"] = device_us(world1, stream, args.per_graph, args.replays)
-        row["world1_eager_us"] = eager_us(world1, stream, args.calls, args.rounds)
+        eager.add(row, "world1_eager_us", world1, stream)
         if not table_on:
             from numba import cuda as numba_cuda
 
@@ -388,9 +406,21 @@ def run_case(name, args, torch):
                 **launch)
         for stage, call in tensor_calls.items():
             # torch.cuda.synchronize() waits for PyTorch's stream as a stream's would
-            row[f"{stage}_eager_torch_us"] = eager_us(lambda _, call=call: call(), torch.cuda,
-                                                      args.calls, args.rounds)
+            eager.add(row, f"{stage}_eager_torch_us", lambda _, call=call: call(), torch.cuda)
+    return row, lambda: finish_case(row, args, torch, work, shards, seq_lens, gathered,
+                                    out, topk_idx, world1_idx, tables, world1_tables,
+                                    host_table)
 
+
+def finish_case(row, args, torch, work, shards, seq_lens, gathered, out, topk_idx, world1_idx,
+                tables, world1_tables, host_table):
+    """Check a case's outputs against the oracle; add the PyTorch baseline."""
+    import cupy
+
+    name, world, topk = row["case"], row["world"], row["topk"]
+    query_len, table_on = row["query_len"], row["sparse_table"]
+    window = dict(query_len=query_len, init_blocks=INIT_BLOCKS, local_blocks=LOCAL_BLOCKS)
+    shard_args = dict(window, world=world, global_blocks=work.global_blocks)
     # verify what the timed calls produced
     shard0 = ref.shard_scores(work.full_scores, rank=0, world=world,
                               global_blocks=work.global_blocks)
@@ -482,7 +512,8 @@ def main(argv=None):
     p.add_argument("--replays", type=int, default=20, help="graph replays timed")
     p.add_argument("--calls", type=int, default=200, help="eager calls timed in a round")
     p.add_argument("--rounds", type=int, default=EAGER_ROUNDS,
-                   help="eager rounds; the best one is reported")
+                   help="eager rounds at the end, a second apart (one more after each case); "
+                        "the best one is reported")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-torch", action="store_true",
                    help="skip the PyTorch baseline and the calls with tensors")
@@ -506,10 +537,19 @@ def main(argv=None):
             import torch
         except ImportError:
             print("PyTorch not installed: no baseline", file=sys.stderr)
-    rows = []
+    rows, finishes = [], []
+    eager = EagerRounds(args.calls)
     for name in args.cases.split(","):
-        rows.append(run_case(name.strip(), args, torch))
+        row, finish = run_case(name.strip(), args, torch, eager)
+        rows.append(row)
+        finishes.append(finish)
+        eager.run_round()
         print(f"case {name} done", file=sys.stderr, flush=True)
+    for _ in range(args.rounds):
+        time.sleep(1.0)
+        eager.run_round()
+    for finish in finishes:
+        finish()
     cols = [("case", "case"), ("pack dev", "pack_device_us"), ("/ref", "pack_vs_reference"),
             ("pack eager", "pack_eager_us"), ("torch in", "pack_eager_torch_us"),
             ("merge dev", "merge_device_us"), ("/ref", "merge_vs_reference"),
