@@ -54,6 +54,9 @@ ENVIRONMENT = (
     ("NUMBA_CP_CHAINED_LAUNCH", "0: launch every kernel the ordinary way (default: the "
                                 "pack and the merges may start while the kernel ahead of them "
                                 "ends, on NVIDIA GPUs of compute capability 9.0 and newer)"),
+    ("NUMBA_CP_ADDRESSED", "0: the small-row pack and merge + table kernels take Numba's "
+                           "array parameters (default: their arrays by address where every "
+                           "array is C-contiguous)"),
     ("NUMBA_CP_COMPILE_ONLY", "1: load a GPU target without a GPU (compile checks only)"),
     ("NUMBA_CP_LLD", "ld.lld that links AMDGPU code objects (python -m "
                      "numba_cp.compile_check)"),

@@ -8,6 +8,8 @@ argument signature (dtypes, shapes, strides, scalars); see :mod:`.launcher`.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import validate
@@ -57,8 +59,10 @@ RANK_CHUNK = 64
 # kernel on the same arrays (compare_trees.py, median of 7 graph timings), g's merge +
 # table took 1.81 us by address against 2.12 (its warp kernel 2.28 against 2.38), a's
 # pack 1.45 against 1.49, b's pack 2.22 against 2.23: never slower, so on by default
-# (BENCHMARKS.md, "Arrays by address on one NVIDIA H100, 2026-12-07").
+# (BENCHMARKS.md, "Arrays by address on one NVIDIA H100, 2026-12-07"). They have not
+# run on an AMD GPU: NUMBA_CP_ADDRESSED=0 turns them off for a whole job.
 ADDRESSED_DEFAULT = True
+ADDRESSED_ENV = "NUMBA_CP_ADDRESSED"
 
 
 def _next_pow2(n: int) -> int:
@@ -229,8 +233,8 @@ def local_topk_keys(scores, seq_lens, *, topk, rank, world, query_len, global_bl
             these.
         addressed: whether the warp and rank kernels take the arrays by address
             and shape, a smaller kernel parameter block (where every array is
-            C-contiguous and ``seq_lens`` is int32; None: the default, on). It
-            never changes the result either.
+            C-contiguous and ``seq_lens`` is int32; None: ``NUMBA_CP_ADDRESSED``
+            where set, else on). It never changes the result either.
 
     Returns:
         ``out``.
@@ -485,8 +489,9 @@ def merge_topk_keys(keys, topk_idx, seq_lens, *, query_len, init_blocks, local_b
             with no ``stream``, ``keys`` picks the default.
         addressed: with the table, whether the warp and rank kernels take the
             arrays by address and shape, a smaller kernel parameter block (where
-            every array is C-contiguous and ``seq_lens`` is int32; None: the
-            default, on). Like ``threads``, it never changes the result.
+            every array is C-contiguous and ``seq_lens`` is int32; None:
+            ``NUMBA_CP_ADDRESSED`` where set, else on). Like ``threads``, it never
+            changes the result.
 
     Returns:
         ``topk_idx``.
@@ -720,9 +725,14 @@ def _plan_merge_delivered(arrays, timeout_ns, block_wait, query_len, init_blocks
 
 
 def _addressed_setting(addressed):
-    """The ``addressed=`` keyword as a bool (None: ADDRESSED_DEFAULT)."""
+    """The ``addressed=`` keyword as a bool (None: ``NUMBA_CP_ADDRESSED`` where it is
+    set, else ADDRESSED_DEFAULT). Read when a call is planned, not on every call."""
     if addressed is None:
-        return ADDRESSED_DEFAULT
+        setting = os.environ.get(ADDRESSED_ENV, "").strip()
+        if setting not in ("", "0", "1"):
+            raise ValueError(f"{ADDRESSED_ENV} must be 0 (Numba's array parameters) or 1 "
+                             f"(arrays by address where they can be), got {setting!r}")
+        return ADDRESSED_DEFAULT if setting == "" else setting == "1"
     if not isinstance(addressed, (bool, np.bool_)):
         raise TypeError(f"addressed must be True, False or None, got {addressed!r}")
     return bool(addressed)

@@ -254,6 +254,38 @@ def test_addressed_and_array_merges_agree(method):
     assert names == {None: by_address, False: array, True: by_address}
 
 
+@pytest.mark.parametrize("setting, kernel", [("0", "merge_topk_ids_and_table_rank"),
+                                              ("1", "merge_topk_ids_and_table_addressed_rank")])
+def test_numba_cp_addressed_sets_the_default(monkeypatch, setting, kernel):
+    """NUMBA_CP_ADDRESSED picks the kernel of a call that leaves ``addressed`` unset;
+    an explicit keyword still wins, and the outputs match the oracle either way."""
+    monkeypatch.setenv("NUMBA_CP_ADDRESSED", setting)
+    rng = np.random.default_rng(9)
+    case = Case(rng.standard_normal((1, 2, 40)).astype(np.float32),
+                np.array([40 * 128, 17 * 128 + 3], np.int32), world=2, topk=8, query_len=1,
+                global_blocks=40, init_blocks=1, local_blocks=2)
+    keys, table = gathered_keys(case, case.topk), block_table(rng, case)
+    names = {}
+    for addressed in (None, setting == "0"):
+        with planned_kernels("_MERGE_LAUNCHES") as planned:
+            run_merge(keys, case, table=table, method="rank", addressed=addressed)
+        (names[addressed],) = planned
+    other = {"0": "merge_topk_ids_and_table_addressed_rank",
+             "1": "merge_topk_ids_and_table_rank"}[setting]
+    assert names == {None: kernel, setting == "0": other}
+
+
+@pytest.mark.parametrize("setting", ["on", "2", "true"])
+def test_a_bad_numba_cp_addressed_is_named(monkeypatch, setting):
+    monkeypatch.setenv("NUMBA_CP_ADDRESSED", setting)
+    case = Case(np.zeros((1, 1, 4), np.float32), np.array([512], np.int32), world=1, topk=2,
+                query_len=1, global_blocks=4, init_blocks=1, local_blocks=1)
+    with planned_kernels("_MERGE_LAUNCHES"), \
+            pytest.raises(ValueError, match=f"NUMBA_CP_ADDRESSED must be 0 .* got '{setting}'"):
+        run_merge(gathered_keys(case, 2), case,
+                  table=block_table(np.random.default_rng(0), case))
+
+
 @pytest.mark.parametrize("addressed", ["yes", 1, 0.0])
 def test_a_bad_addressed_is_named(addressed):
     case = Case(np.zeros((1, 1, 4), np.float32), np.array([512], np.int32), world=1, topk=2,
