@@ -1,6 +1,7 @@
 """``lane_counts(bits)``, a device primitive whose CUDA spelling differs from the
 simulator's: on CUDA votes and population counts, elsewhere a butterfly of shuffles.
-A one-warp kernel checks the active backend's against a NumPy prefix sum.
+A one-warp kernel checks the active backend's against a NumPy prefix sum, and
+``lanes_all``, built on it in the simulator, against NumPy.
 """
 
 import numpy as np
@@ -42,3 +43,36 @@ def test_lane_counts_are_a_prefix_sum(bits, flags):
     np.testing.assert_array_equal(below, np.cumsum(count) - count)
     np.testing.assert_array_equal(total, np.full(WARP_LANES, count.sum()))
     np.testing.assert_array_equal(any_flag, np.full(WARP_LANES, int(flag.any())))
+
+
+def _all_lanes_kernel():
+    from numba_cp.kernels.primitives import lanes_all
+
+    @cuda.jit
+    def every_lane_set(flag, out):
+        lane = cuda.threadIdx.x
+        out[lane] = 1 if lanes_all(flag[lane] != 0, lane) else 0
+
+    return every_lane_set
+
+
+@pytest.mark.parametrize("unset", [None, 0, WARP_LANES - 1])
+def test_lanes_all_builds_nothing_inside_a_kernel(monkeypatch, unset):
+    """``lanes_all`` against NumPy, with ``lane_counts`` unable to build anything while
+    the kernel runs: in the simulator a device function built on first use inside a
+    kernel met the simulator's stand-in for ``cuda``, which has no ``jit``, whenever
+    another thread had it swapped in."""
+    from numba_cp.kernels import primitives
+
+    kernel = _all_lanes_kernel()
+
+    def no_building(bits):
+        raise AssertionError(f"lane_counts({bits}) built inside a kernel")
+
+    monkeypatch.setattr(primitives, "lane_counts", no_building)
+    flag = np.ones(WARP_LANES, np.int64)
+    if unset is not None:
+        flag[unset] = 0
+    out = to_device(np.full(WARP_LANES, -7, np.int64))
+    kernel[1, WARP_LANES](to_device(flag), out)
+    np.testing.assert_array_equal(to_host(out), np.full(WARP_LANES, int(unset is None)))

@@ -297,7 +297,7 @@ else:  # the simulator has no warp votes: lane_counts' butterfly counts the lane
 
     def lanes_all(flag, lane):
         """Whether ``flag`` holds in every lane of the warp."""
-        return lane_counts(1)(0 if flag else 1, False, lane)[1] == 0
+        return _count_lanes_one_bit(0 if flag else 1, False, lane)[1] == 0
 
 
 @lru_cache(maxsize=None)
@@ -356,6 +356,13 @@ def lane_counts(bits):
         return int32(below & 0xFFFF), int32(total & 0xFFFF), total > 0xFFFF
 
     return counts
+
+
+if NAME == "sim":
+    # lanes_all's counter, built at import and not on its first use: inside a simulated
+    # kernel this module's `cuda` may be the simulator's stand-in, which it swaps in
+    # around each device-function call, thread by thread, and which has no `jit`.
+    _count_lanes_one_bit = lane_counts(1)
 
 
 # A block barrier that also votes (the rank family's check that sorted runs are).
