@@ -407,61 +407,55 @@ def run_case(name, args, torch, eager):
         for stage, call in tensor_calls.items():
             # torch.cuda.synchronize() waits for PyTorch's stream as a stream's would
             eager.add(row, f"{stage}_eager_torch_us", lambda _, call=call: call(), torch.cuda)
-    return row, lambda: finish_case(row, args, torch, work, shards, seq_lens, gathered,
-                                    out, topk_idx, world1_idx, tables, world1_tables,
-                                    host_table)
 
+    def finish():
+        """Check the case's outputs against the oracle; add the PyTorch baseline."""
+        # verify what the timed calls produced
+        shard0 = ref.shard_scores(work.full_scores, rank=0, world=world,
+                                  global_blocks=work.global_blocks)
+        want_keys = ref.local_topk_keys(shard0, work.seq_lens, topk=topk, rank=0, **shard_args)
+        unsharded = ref.global_topk(work.full_scores, work.seq_lens, topk=topk,
+                                    global_blocks=work.global_blocks, **window)
+        exact = bool(np.array_equal(host_copy(out), want_keys)) and bool(
+            np.array_equal(host_copy(topk_idx), unsharded))
+        exact &= bool(np.array_equal(host_copy(world1_idx), unsharded))
+        if table_on:
+            want_sbt, want_ctx = ref.sparse_block_table(unsharded, work.seq_lens, host_table,
+                                                        query_len=query_len)
+            for got in (tables, world1_tables):
+                exact &= bool(np.array_equal(host_copy(got["sparse_block_table_out"]),
+                                             want_sbt[0]))
+                exact &= bool(np.array_equal(host_copy(got["sparse_context_lens_out"]),
+                                             want_ctx[0]))
+        row["exact"] = exact
+        reference = REFERENCE_US.get(name, (None, None, None))
+        row.update(reference_pack_us=reference[0], reference_merge_us=reference[1],
+                   reference_world1_us=reference[2])
+        for stage, ours in (("pack", row.get("pack_device_us")),
+                            ("merge", row["merge_device_us"]),
+                            ("world1", row["world1_device_us"])):
+            theirs = row[f"reference_{stage}_us"]
+            row[f"{stage}_vs_reference"] = (None if (ours is None or theirs is None)
+                                            else ours / theirs)
 
-def finish_case(row, args, torch, work, shards, seq_lens, gathered, out, topk_idx, world1_idx,
-                tables, world1_tables, host_table):
-    """Check a case's outputs against the oracle; add the PyTorch baseline."""
-    import cupy
+        if torch is not None:
+            tx = TorchExchange(torch, work, world, topk)
+            t_shard = torch.as_tensor(shards[0], device="cuda")
+            t_seq = torch.as_tensor(seq_lens, device="cuda")
+            t_keys = torch.as_tensor(gathered, device="cuda")
+            t_full = torch.as_tensor(cupy.asarray(work.full_scores), device="cuda")
+            row["torch_pack_device_us"], row["torch_pack_eager_us"] = torch_times(
+                torch, lambda: tx.pack(t_shard, t_seq), args.per_graph, args.replays, args.calls)
+            row["torch_merge_device_us"], row["torch_merge_eager_us"] = torch_times(
+                torch, lambda: tx.merge(t_keys, t_seq), args.per_graph, args.replays, args.calls)
+            row["torch_full_topk_device_us"], row["torch_full_topk_eager_us"] = torch_times(
+                torch, lambda: tx.full_topk(t_full, t_seq), args.per_graph, args.replays,
+                args.calls)
+            row["torch_exact"] = bool(
+                np.array_equal(tx.pack(t_shard, t_seq).cpu().numpy()[..., :topk], want_keys)
+                and np.array_equal(tx.merge(t_keys, t_seq).cpu().numpy(), unsharded))
 
-    name, world, topk = row["case"], row["world"], row["topk"]
-    query_len, table_on = row["query_len"], row["sparse_table"]
-    window = dict(query_len=query_len, init_blocks=INIT_BLOCKS, local_blocks=LOCAL_BLOCKS)
-    shard_args = dict(window, world=world, global_blocks=work.global_blocks)
-    # verify what the timed calls produced
-    shard0 = ref.shard_scores(work.full_scores, rank=0, world=world,
-                              global_blocks=work.global_blocks)
-    want_keys = ref.local_topk_keys(shard0, work.seq_lens, topk=topk, rank=0, **shard_args)
-    unsharded = ref.global_topk(work.full_scores, work.seq_lens, topk=topk,
-                                global_blocks=work.global_blocks, **window)
-    exact = bool(np.array_equal(host_copy(out), want_keys)) and bool(
-        np.array_equal(host_copy(topk_idx), unsharded))
-    exact &= bool(np.array_equal(host_copy(world1_idx), unsharded))
-    if table_on:
-        want_sbt, want_ctx = ref.sparse_block_table(unsharded, work.seq_lens, host_table,
-                                                    query_len=query_len)
-        for got in (tables, world1_tables):
-            exact &= bool(np.array_equal(host_copy(got["sparse_block_table_out"]), want_sbt[0]))
-            exact &= bool(np.array_equal(host_copy(got["sparse_context_lens_out"]), want_ctx[0]))
-    row["exact"] = exact
-    reference = REFERENCE_US.get(name, (None, None, None))
-    row.update(reference_pack_us=reference[0], reference_merge_us=reference[1],
-               reference_world1_us=reference[2])
-    for stage, ours in (("pack", row.get("pack_device_us")), ("merge", row["merge_device_us"]),
-                        ("world1", row["world1_device_us"])):
-        theirs = row[f"reference_{stage}_us"]
-        row[f"{stage}_vs_reference"] = None if (ours is None or theirs is None) else ours / theirs
-
-    if torch is not None:
-        tx = TorchExchange(torch, work, world, topk)
-        t_shard = torch.as_tensor(shards[0], device="cuda")
-        t_seq = torch.as_tensor(seq_lens, device="cuda")
-        t_keys = torch.as_tensor(gathered, device="cuda")
-        t_full = torch.as_tensor(cupy.asarray(work.full_scores), device="cuda")
-        row["torch_pack_device_us"], row["torch_pack_eager_us"] = torch_times(
-            torch, lambda: tx.pack(t_shard, t_seq), args.per_graph, args.replays, args.calls)
-        row["torch_merge_device_us"], row["torch_merge_eager_us"] = torch_times(
-            torch, lambda: tx.merge(t_keys, t_seq), args.per_graph, args.replays, args.calls)
-        row["torch_full_topk_device_us"], row["torch_full_topk_eager_us"] = torch_times(
-            torch, lambda: tx.full_topk(t_full, t_seq), args.per_graph, args.replays,
-            args.calls)
-        row["torch_exact"] = bool(
-            np.array_equal(tx.pack(t_shard, t_seq).cpu().numpy()[..., :topk], want_keys)
-            and np.array_equal(tx.merge(t_keys, t_seq).cpu().numpy(), unsharded))
-    return row
+    return row, finish
 
 
 def exchange_replay(args):
