@@ -7,8 +7,8 @@ What is looked up is looked up once.
 Two things read it:
 
 * :func:`numba_cp.launcher.array_signature` keys a tensor from its attributes
-  (``Torch.signature``): PyTorch builds ``__cuda_array_interface__`` anew, in
-  Python, on every access.
+  with the tables here (``Torch.typestrs``, ``Torch.strided``): PyTorch builds
+  ``__cuda_array_interface__`` anew, in Python, on every access.
 * :func:`numba_cp.arrays.resolve_stream` launches a call whose first array is a
   tensor on PyTorch's current stream, where a PyTorch caller queues its work.
 """
@@ -38,13 +38,6 @@ class Torch:
         self.typestrs = {getattr(torch, name): value for name, value in _TYPESTRS.items()
                          if hasattr(torch, name)}
         self.current_stream = _current_stream_getter(torch)
-        # ``signature(tensor)``: ``((typestr, shape, strides, read-only), data pointer)``,
-        # equal to what the tensor's ``__cuda_array_interface__`` gives (which omits
-        # a contiguous tensor's strides, gives pointer 0 for an empty one and is never
-        # read-only); None where the interface would refuse it or its dtype is not in
-        # the table, and the caller reads the interface. The table and layout are bound
-        # once: an eager call keys up to six tensors.
-        self.signature = _tensor_signer(self.typestrs, self.strided)
 
 
 def _current_stream_getter(torch):
@@ -75,21 +68,3 @@ def found() -> Torch | None:
         _FOUND = Torch(torch)
     return _FOUND
 
-
-def _tensor_signer(typestrs, strided):
-    def tensor_signature(tensor):
-        dtype = typestrs.get(tensor.dtype)
-        if (dtype is None or not tensor.is_cuda or tensor.requires_grad
-                or tensor.layout is not strided):
-            return None
-        # A torch.Size is a tuple, equal to and hashed as the interface's. `0 in shape`
-        # for numel(), and no tuple copy: each PyTorch call costs ~50 ns.
-        shape = tensor.shape
-        pointer = 0 if 0 in shape else tensor.data_ptr()
-        if tensor.is_contiguous():
-            return (dtype[0], shape, None, False), pointer
-        itemsize = dtype[1]
-        return (dtype[0], shape, tuple([step * itemsize for step in tensor.stride()]),
-                False), pointer
-
-    return tensor_signature

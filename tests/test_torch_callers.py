@@ -246,7 +246,6 @@ def test_one_tensor_is_one_cache_entry(torch, gpu_keys):
 def test_a_dtype_outside_the_table_takes_the_interface(dtype, torch, gpu_keys):
     base = np.zeros((3, 4), np.uint8 if dtype == "bool" else np.uint16)
     tensor = FakeTensor(base[:, ::2], dtype=DTYPES[dtype])
-    assert _torch.found().signature(tensor) is None
     reads = FakeTensor.interface_reads
     key, pointer = array_signature(tensor)
     assert FakeTensor.interface_reads == reads + 1
@@ -259,9 +258,30 @@ def test_tensors_the_interface_refuses_are_not_keyed(torch, gpu_keys):
     grad = FakeTensor(_base(), requires_grad=True)
     sparse = FakeTensor(_base(), layout=SPARSE_COO)
     for tensor in (host, grad, sparse):
-        assert _torch.found().signature(tensor) is None
+        reads = FakeTensor.interface_reads
         assert array_signature(tensor) is None, "validation must see it, every call"
+        assert FakeTensor.interface_reads == reads + 1, "the interface's refusal decides"
     assert call_signature([FakeTensor(_base()), grad], ()) == (None, None)
+
+
+class NestedTensor(FakeTensor):
+    """A nested tensor of PyTorch's strided layout: its type is torch.Tensor, and
+    reading its shape raises."""
+
+    @property
+    def shape(self):
+        raise RuntimeError("Internal error: NestedTensorImpl doesn't support sizes.")
+
+
+def test_a_tensor_without_a_shape_is_refused_naming_the_argument(monkeypatch, torch,
+                                                                  gpu_keys):
+    monkeypatch.setattr(sys.modules["torch"], "Tensor", NestedTensor)
+    monkeypatch.setattr(_torch, "_FOUND", None)
+    nested = NestedTensor(_base())
+    assert array_signature(nested) is None
+    monkeypatch.setattr(arrays, "TARGET", dataclasses.replace(TARGET, name="hip"))
+    with pytest.raises(TypeError, match="^scores: .*NestedTensorImpl"):
+        arrays.as_kernel_array(nested, "scores")
 
 
 def test_a_subclass_keeps_the_interface(torch, gpu_keys):
@@ -545,13 +565,20 @@ def test_real_tensor_keys_equal_their_interface_keys():
              base[:, :0], base.as_strided((2, 1, 8), (24, 1000, 1)), base.to(torch.int32)[:, ::2],
              base.to(torch.int64), base.to(torch.float16).transpose(0, 2), base[0, 0, 0]]
     assert type(base) is _torch.found().tensor
+    interface = type(base).__cuda_array_interface__
+    reads = []
+    counted = property(lambda tensor: reads.append(1) or interface.__get__(tensor))
     for view in views:
-        assert _torch.found().signature(view) is not None, view.shape
-        assert array_signature(view) == array_signature(InterfaceOnly(view)), (
-            view.shape, view.stride(), view.dtype)
+        expected = array_signature(InterfaceOnly(view))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(type(base), "__cuda_array_interface__", counted)
+            assert array_signature(view) == expected, (view.shape, view.stride(), view.dtype)
+        assert not reads, f"the key of {view.shape} read the interface"
     flags = base > 3
-    assert _torch.found().signature(flags) is None
-    assert array_signature(flags) == array_signature(InterfaceOnly(flags))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(base), "__cuda_array_interface__", counted)
+        assert array_signature(flags) == array_signature(InterfaceOnly(flags))
+    assert len(reads) == 2, "a bool tensor's key is the interface's"
     grad = torch.zeros((1, 1, 32), device="cuda", requires_grad=True)
     assert array_signature(grad) is None
     with pytest.raises(TypeError, match="^scores: .*requires grad"):
