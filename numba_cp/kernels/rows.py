@@ -16,7 +16,7 @@ from ..constants import PAGES, SPARSE_BLOCK
 from .ipc import PEER_SLOTS
 from .keys import causal_len_of, quotient, repin_key, score_key, valid_blocks_of
 from .params import INTEGER, Array, by_address, scalars
-from .primitives import WARP_LANES, float_bits, inline_device, lane_counts
+from .primitives import float_bits, inline_device, lane_counts
 
 __all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARAMS",
            "SELECT_PARAMS", "SELECT_TABLE_PARAMS", "PACK_TO_PEERS_PARAMS", "whole_row",
