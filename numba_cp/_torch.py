@@ -35,6 +35,7 @@ class Torch:
     def __init__(self, torch):
         self.tensor = torch.Tensor
         self.strided = torch.strided
+        # dtype -> (the interface's typestr, itemsize), for the dtypes of _TYPESTRS
         self.typestrs = {getattr(torch, name): value for name, value in _TYPESTRS.items()
                          if hasattr(torch, name)}
         self.current_stream = _current_stream_getter(torch)
