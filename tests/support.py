@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from numba_cp.arrays import device_copy, host_copy
@@ -17,6 +18,14 @@ to_host = host_copy
 
 # Threads per block small enough for the simulator, but not one (races need >1).
 THREADS = 4 if TARGET.simulator else 128
+
+
+def kernel_examples(n):
+    """``settings`` of a hypothesis test that launches kernels: ``n`` examples under the
+    simulator, a quarter of them (at least 5) on a GPU. There every drawn launch shape
+    compiles a kernel of its own: on an H100, one such test of 30 examples took
+    minutes."""
+    return settings(max_examples=n if TARGET.simulator else max(5, n // 4))
 
 
 def launches():

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 import numba_cp
 from numba_cp import reference as ref
-from support import THREADS, Case, cases, score_matrix, seq_len_choices, to_device, to_host
+from support import (THREADS, Case, cases, kernel_examples, score_matrix, seq_len_choices,
+                     to_device, to_host)
 
 
 @settings(max_examples=200)
@@ -85,7 +86,7 @@ def test_kernel_exchange_with_sparse_table(world, launch):
     np.testing.assert_array_equal(got[2], exp_ctx)
 
 
-@settings(max_examples=60)
+@kernel_examples(60)
 @given(case=cases(max_requests=4, max_global_blocks=64, max_topk=16), data=st.data())
 def test_world_one_in_one_kernel_equals_unsharded(case, data):
     """global_topk_ids: the scores' top-k ids (and table) in one kernel, against the

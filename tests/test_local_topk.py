@@ -4,12 +4,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import numba_cp
 from numba_cp import reference as ref
-from support import THREADS, Case, cases, launches, planned_kernels, to_device, to_host
+from support import (THREADS, Case, cases, kernel_examples, launches, planned_kernels, to_device,
+                     to_host)
 
 SENTINEL = np.int64(-7)
 
@@ -38,7 +39,7 @@ def run_shard(case, rank, *, fill, extra_columns=0, out_extra=0, strided=False, 
     return to_host(out), expected, (to_host(out_base) if strided else None)
 
 
-@settings(max_examples=60)
+@kernel_examples(60)
 @given(case=cases(), data=st.data())
 def test_matches_oracle(case, data):
     rank = data.draw(st.integers(0, case.world - 1), label="rank")
@@ -58,7 +59,7 @@ def planned_pack(case, rank, **kwargs):
     return result, name
 
 
-@settings(max_examples=30)
+@kernel_examples(30)
 @given(case=cases(), data=st.data())
 def test_pack_by_address_matches_oracle(case, data):
     """With ``addressed=True`` the warp and rank packs take C-contiguous arrays by
@@ -113,7 +114,7 @@ def test_a_bad_addressed_is_named_by_the_pack():
         run_shard(case, 0, fill=np.inf, addressed="on")
 
 
-@settings(max_examples=15)
+@kernel_examples(15)
 @given(case=cases(max_world=4), out_extra=st.integers(1, 3))
 def test_strided_views_and_untouched_tail(case, out_extra):
     got, expected, out_base = run_shard(case, 0, fill=np.inf, extra_columns=1,

@@ -4,14 +4,15 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import numba_cp
 from numba_cp import reference as ref
 from numba_cp.backend import TARGET
 from numba_cp.constants import PAGES
-from support import Case, cases, launches, planned_kernels, to_device, to_host
+from support import (Case, cases, kernel_examples, launches, planned_kernels, to_device,
+                     to_host)
 
 SENTINEL = -7
 
@@ -89,7 +90,7 @@ def run_merge(keys, case, *, table=None, stride=None, layout="per-head", idx_str
     np.testing.assert_array_equal(to_host(ctx).reshape(heads, tokens), exp_ctx)
 
 
-@settings(max_examples=50)
+@kernel_examples(50)
 @given(case=cases(), data=st.data())
 def test_matches_oracle(case, data):
     per_shard = data.draw(st.integers(1, case.topk + 2), label="per_shard")
@@ -98,7 +99,7 @@ def test_matches_oracle(case, data):
               **data.draw(launches(), label="launch"))
 
 
-@settings(max_examples=30)
+@kernel_examples(30)
 @given(case=cases(max_world=4), seed=st.integers(0, 2**32 - 1),
        per_shard=st.integers(1, 8), launch=launches())
 def test_garbage_keys_match_oracle(case, seed, per_shard, launch):
@@ -108,7 +109,7 @@ def test_garbage_keys_match_oracle(case, seed, per_shard, launch):
 
 
 @pytest.mark.slow
-@settings(max_examples=40)
+@kernel_examples(40)
 @given(case=cases(max_heads=3), data=st.data())
 def test_sparse_block_table_matches_oracle(case, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
@@ -205,7 +206,7 @@ def test_sorted_gather_fast_path_and_its_check(n, swap):
 
 
 @pytest.mark.slow
-@settings(max_examples=30)
+@kernel_examples(30)
 @given(case=cases(max_heads=3), data=st.data())
 def test_sparse_table_by_address_matches_oracle(case, data):
     """With ``addressed=True`` the warp and rank merges with the table take
@@ -310,7 +311,7 @@ def run_merge_keys(keys, case, topk, **launch):
     assert (got[:, :, topk:] == SENTINEL).all(), "keys written past topk"
 
 
-@settings(max_examples=40)
+@kernel_examples(40)
 @given(case=cases(), data=st.data())
 def test_merge_keys_matches_oracle(case, data):
     per_shard = data.draw(st.integers(1, case.topk + 2), label="per_shard")
@@ -318,14 +319,14 @@ def test_merge_keys_matches_oracle(case, data):
                    **data.draw(launches(), label="launch"))
 
 
-@settings(max_examples=20)
+@kernel_examples(20)
 @given(case=cases(max_world=4), seed=st.integers(0, 2**32 - 1), launch=launches())
 def test_merge_keys_of_garbage_matches_oracle(case, seed, launch):
     keys = garbage_keys(np.random.default_rng(seed), (case.world, case.heads, case.tokens, 4))
     run_merge_keys(keys, case, case.topk, **launch)
 
 
-@settings(max_examples=30)
+@kernel_examples(30)
 @given(case=cases(min_world=2), data=st.data())
 def test_two_merges_select_what_one_does(case, data):
     """Any grouping of the ranks into nodes: merging each node's keys into keys, then
