@@ -24,13 +24,12 @@ says which path a launch takes.
 
 from __future__ import annotations
 
-import os
 import warnings
 from functools import lru_cache
 
 import numpy as np
 
-from . import _numba, _torch, kernel_cache
+from . import _numba, _torch, kernel_cache, validate
 from .arrays import (FixedView, as_kernel_array, c_contiguous, data_address, resolve_stream,
                      with_leading_axis)
 from .backend import TARGET, cuda
@@ -99,7 +98,7 @@ def _make_signer(simulator, torch, cupy_ndarray):
             # tensor's attributes give the same key: the interface omits a contiguous
             # tensor's strides, gives pointer 0 for an empty one and is never read-only.
             # Written out here, not called: an eager call keys up to six tensors, and
-            # each of the eight reads costs 40-90 ns. A tensor the interface would refuse
+            # each of the seven reads (eight for a strided view) costs 40-90 ns. A tensor the interface would refuse
             # (or whose dtype is not in the table) goes to the interface, and validation
             # reports its answer.
             try:
@@ -168,11 +167,9 @@ def chained_launches() -> bool:
     """
     chosen = _CHAINING[0]
     if chosen is None:
-        setting = os.environ.get(CHAINED_ENV, "").strip()
-        if setting not in ("", "0", "1"):
-            raise ValueError(f"{CHAINED_ENV} must be 0 (ordinary launches) or 1 (chained where "
-                             f"the GPU can), got {setting!r}")
-        chosen = _CHAINING[0] = (TARGET.name == "cuda" and setting != "0" and
+        setting = validate.env_switch(CHAINED_ENV, "ordinary launches",
+                                      "chained where the GPU can")
+        chosen = _CHAINING[0] = (TARGET.name == "cuda" and setting is not False and
                                  cuda.get_current_device().compute_capability >= (9, 0))
     return chosen
 

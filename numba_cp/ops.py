@@ -8,8 +8,6 @@ argument signature (dtypes, shapes, strides, scalars); see :mod:`.launcher`.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from . import validate
@@ -728,11 +726,9 @@ def _addressed_setting(addressed):
     """The ``addressed=`` keyword as a bool (None: ``NUMBA_CP_ADDRESSED`` where it is
     set, else ADDRESSED_DEFAULT). Read when a call is planned, not on every call."""
     if addressed is None:
-        setting = os.environ.get(ADDRESSED_ENV, "").strip()
-        if setting not in ("", "0", "1"):
-            raise ValueError(f"{ADDRESSED_ENV} must be 0 (Numba's array parameters) or 1 "
-                             f"(arrays by address where they can be), got {setting!r}")
-        return ADDRESSED_DEFAULT if setting == "" else setting == "1"
+        setting = validate.env_switch(ADDRESSED_ENV, "Numba's array parameters",
+                                      "arrays by address where they can be")
+        return ADDRESSED_DEFAULT if setting is None else setting
     if not isinstance(addressed, (bool, np.bool_)):
         raise TypeError(f"addressed must be True, False or None, got {addressed!r}")
     return bool(addressed)

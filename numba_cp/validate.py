@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 
 import numpy as np
 
@@ -19,6 +20,15 @@ def integer(name: str, value, *, low=None, high=None) -> int:
                  else f">= {low}" if low is not None else f"< {high}")
         raise ValueError(f"{name} must be {bound}, got {value}")
     return value
+
+
+def env_switch(var: str, off: str, on: str) -> bool | None:
+    """Environment variable ``var`` as a 0/1 switch (None: unset or empty). ``off`` and
+    ``on`` say what 0 and 1 mean, in the ValueError any other value raises."""
+    setting = os.environ.get(var, "").strip()
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"{var} must be 0 ({off}) or 1 ({on}), got {setting!r}")
+    return None if setting == "" else setting == "1"
 
 
 def dtype(array: KernelArray, expected) -> None:
