@@ -43,7 +43,6 @@ from numba import int32, int64, uint64
 
 from ..backend import cuda
 from .primitives import WARP_LANES, bits_as_float64, block_any, inline_device
-from .rows import shard_load, shard_load_signed
 from .shells import KERNELS, Selection, kernel_factories
 
 __all__ = ["make_rank_topk", "selection", "TAG_BITS", "MAX_CAPACITY", *KERNELS]
@@ -241,13 +240,12 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
     return prefetch, rank_topk
 
 
-# The rank kernels read a shard's scores with signed indices. On the H200, in one
-# process on the same arrays (BENCHMARKS.md, "Small rows, 2026-12-06"), a's pack
-# read 1.92 us so against 2.10 with unsigned ones, a's world-1 kernel 2.61 against
-# 2.73 and b's pack 2.70 against 2.72, while the warp kernels' world-1 kernels of b
-# and d were slower so (5.35 against 5.17 us, 15.54 against 14.93): they keep
-# shard_load.
-_SCORE_LOADS = {shard_load: shard_load_signed}
+# The rank kernels read a shard's scores with unsigned indices, as every family does
+# (rows.shard_load). By address, on one H100 in one process on the same arrays, in two
+# machine starts (BENCHMARKS.md, "Small rows, 2026-12-07: unsigned score loads"), a's
+# pack read 1.40 us against 1.46 with signed ones, a's world-1 kernel 2.13 against 2.23
+# and b's pack 2.21 against 2.22. With Numba's array parameters, on the H200 on
+# 2026-12-06, signed ones had been the faster (a's pack 1.92 against 2.10 us).
 
 
 @lru_cache(maxsize=None)
@@ -255,8 +253,8 @@ def selection(run, slots, threads, chunk):
     """The rank family's :class:`~.shells.Selection` for one launch shape."""
 
     def make(load, key_of, presorted=False, warp_layout=False):
-        return make_rank_topk(_SCORE_LOADS.get(load, load), key_of, run, slots, threads, chunk,
-                              presorted, warp_layout)
+        return make_rank_topk(load, key_of, run, slots, threads, chunk, presorted,
+                              warp_layout)
 
     @inline_device
     def candidate(s):

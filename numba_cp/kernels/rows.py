@@ -22,7 +22,7 @@ __all__ = ["PACK_PARAMS", "MERGE_PARAMS", "MERGE_TABLE_PARAMS", "MERGE_KEYS_PARA
            "SELECT_PARAMS", "SELECT_TABLE_PARAMS", "PACK_TO_PEERS_PARAMS", "whole_row",
            "MERGE_DELIVERED_PARAMS", "MERGE_DELIVERED_TABLE_PARAMS", "MERGE_DELIVERED_KEYS_PARAMS",
            "shard_candidate_key", "gathered_candidate_key", "shard_row", "gathered_row",
-           "shard_load", "shard_load_signed", "shard_key_of", "gathered_load", "gathered_key_of",
+           "shard_load", "shard_key_of", "gathered_load", "gathered_key_of",
            "shard_place", "gathered_place", "request_seq_len", "row_request",
            "merged_block", "table_writer", "page_of"]
 
@@ -96,14 +96,6 @@ MERGE_DELIVERED_KEYS_PARAMS = (*MERGE_KEYS_PARAMS[:3], *_WAIT_ARRAYS, *MERGE_KEY
 @cuda.jit(device=True, inline=True)
 def shard_load(scores, ctx, column):
     return scores[uint64(ctx[0]), uint64(ctx[1]), uint64(column)]
-
-
-@cuda.jit(device=True, inline=True)
-def shard_load_signed(scores, ctx, column):
-    """:func:`shard_load` with signed indices (Numba adds a wraparound select to
-    each). Which of the two is faster depends on the kernel around it: the
-    kernel families choose (kernels/rank.py)."""
-    return scores[ctx[0], ctx[1], column]
 
 
 @cuda.jit(device=True, inline=True)
