@@ -8,7 +8,7 @@ os.environ.setdefault("NUMBA_CP_BACKEND", "sim")
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from support import find_mpiexec  # noqa: E402
+from support import find_mpiexec, thread_timeouts  # noqa: E402
 
 settings.register_profile(
     "numba_cp", deadline=None, derandomize=True, print_blob=True,
@@ -32,6 +32,7 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError("tests that use the mpiexec fixture must be marked "
                                 "@pytest.mark.mpi: " + ", ".join(unmarked))
     if not TARGET.simulator:
+        thread_timeouts(items)
         return
     skip = pytest.mark.skip(reason="needs a GPU target (NUMBA_CP_BACKEND=cuda or hip); "
                                    "the simulator is active")

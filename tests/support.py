@@ -1,10 +1,11 @@
 """Test helpers: arrays on the active backend's memory, launch tunings, random exchange
-cases (from numba_cp.testing), and the mpiexec runner."""
+cases (from numba_cp.testing), the mpiexec runner, and time limits a GPU run keeps."""
 
 from __future__ import annotations
 
 import contextlib
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 
@@ -26,6 +27,17 @@ def kernel_examples(n):
     compiles a kernel of its own: on an H100, one such test of 30 examples took
     minutes."""
     return settings(max_examples=n if TARGET.simulator else max(5, n // 4))
+
+
+def thread_timeouts(items):
+    """Give each test's time limit (its own, else the configured one) pytest-timeout's
+    thread method: at the limit it dumps every thread's stack and ends the run. The
+    default, a signal, is handled only between Python bytecodes; a call waiting in C on
+    a GPU kernel that never returns would let the limit pass unnoticed and hang."""
+    for item in items:
+        own = item.get_closest_marker("timeout")
+        seconds = own.kwargs.get("timeout", own.args[0] if own.args else None) if own else None
+        item.add_marker(pytest.mark.timeout(seconds, method="thread"), append=False)
 
 
 def launches():
