@@ -98,9 +98,9 @@ def _make_signer(simulator, torch, cupy_ndarray):
             # tensor's attributes give the same key: the interface omits a contiguous
             # tensor's strides, gives pointer 0 for an empty one and is never read-only.
             # Written out here, not called: an eager call keys up to six tensors, and
-            # each of the seven reads (eight for a strided view) costs 40-90 ns. A tensor the interface would refuse
-            # (or whose dtype is not in the table) goes to the interface, and validation
-            # reports its answer.
+            # each of the seven reads (eight for a strided view) costs 40-90 ns. A tensor
+            # the interface would refuse (or whose dtype is not in the table) goes to the
+            # interface, and validation reports its answer.
             try:
                 dtype = tensor_typestrs.get(obj.dtype)
                 if (dtype is not None and obj.is_cuda and not obj.requires_grad
