@@ -128,6 +128,8 @@ def _compile_each(cc, only):
             detail = f"{len(ptx)} bytes of PTX, {local} B local memory"
             if ("_warp[" in label or "_rank[" in label) and local:  # keys stay in registers
                 yield label, False, time.perf_counter() - start, detail + " (expected none)"
+            elif "bar.red." in ptx:  # kernels/primitives.py, block_any: such a vote hung
+                yield label, False, time.perf_counter() - start, detail + ", a block vote"
             else:
                 yield label, True, time.perf_counter() - start, detail
 

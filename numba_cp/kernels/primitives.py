@@ -365,27 +365,23 @@ if NAME == "sim":
     _count_lanes_one_bit = lane_counts(1)
 
 
-# A block barrier that also votes (the rank family's check that sorted runs are).
-if NAME in ("cuda", "sim"):
-
-    @cuda.jit(device=True, inline=True)
-    def block_any(flag, cell):
-        """A barrier that says whether ``flag`` held in any thread of the block.
-        ``cell`` (a shared int64 array of one element) must read 0 and have
-        settled at an earlier barrier; this spelling does not touch it."""
-        return cuda.syncthreads_or(int32(1) if flag else int32(0)) != 0
-
-else:  # numba-hip has no block votes: a shared flag between two barriers
-
-    @cuda.jit(device=True, inline=True)
-    def block_any(flag, cell):
-        """A barrier that says whether ``flag`` held in any thread of the block.
-        ``cell`` (a shared int64 array of one element) must read 0 and have
-        settled at an earlier barrier."""
-        if flag:
-            cell[0] = 1
-        cuda.syncthreads()
-        return cell[0] != 0
+# A block barrier that also votes (the rank family's check that sorted runs are), spelt
+# as a shared flag set before one barrier and read after it, on every target. Not
+# Numba's syncthreads_or (llvm.nvvm.barrier0.or): on one NVIDIA H100 on 2026-12-07 every
+# rank merge that voted with it and found its runs out of order never finished, and with
+# this spelling the same launches and tests/test_merge.py were exact (BENCHMARKS.md,
+# "Small rows, 2026-12-07: the rank merge's block vote"). It costs g's merge + table
+# 0.10 us there (1.91 against 1.81); a's and b's merges read the same. numba-hip has no
+# block votes at all. compile_check fails a kernel whose PTX votes at a barrier.
+@cuda.jit(device=True, inline=True)
+def block_any(flag, cell):
+    """A barrier that says whether ``flag`` held in any thread of the block.
+    ``cell`` (a shared int64 array of one element) must read 0 and have settled at an
+    earlier barrier."""
+    if flag:
+        cell[0] = 1
+    cuda.syncthreads()
+    return cell[0] != 0
 
 
 # ---------------------------------------------------------------------------
