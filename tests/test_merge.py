@@ -236,11 +236,13 @@ def test_sparse_table_by_address_matches_oracle(case, data):
 
 
 def test_sparse_table_by_address_of_shards_with_one_key_each():
-    """The example the hypothesis test above waited in on an H100 (BENCHMARKS.md, "Small
-    rows, 2026-12-07: unsigned score loads"), pinned as one launch: three rows of one
-    request of 255 tokens (two blocks), so each rank's six keys are one block's and five
-    empty ones; the rank merge + table by address. Only the first two columns of scores
-    are in the window."""
+    """The example the hypothesis test above waited in on an H100, pinned as one launch:
+    three rows of one request of 255 tokens (two blocks), so each rank's six keys are one
+    block's and five empty ones; the rank merge + table by address. Runs of eight keys
+    span both ranks, so the merge finds them out of order and votes so: with Numba's
+    syncthreads_or as that vote the kernel never finished (BENCHMARKS.md, "Small rows,
+    2026-12-07: the rank merge's block vote"). Only the first two columns of scores are
+    in the window."""
     first_two = [[[-1.8217351e-01, 0.0], [-6.7603135e-01, -8.2942314e-02],
                   [4.1103151e-01, 7.2500944e-02]],
                  [[6.6452272e-02, 2.6445988e-01], [np.nan, -1.3916619e-01],
