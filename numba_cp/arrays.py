@@ -96,7 +96,8 @@ def _from_dlpack(obj, name):
         import cupy
     except ImportError:
         raise TypeError(f"{name}: DLPack arrays need CuPy installed to be viewed on the "
-                        f"{TARGET.name} backend; pass an array with __cuda_array_interface__") from None
+                        f"{TARGET.name} backend; pass an array with "
+                        f"__cuda_array_interface__") from None
     try:
         return cupy.from_dlpack(obj)
     except Exception as exc:  # a DLPack capsule on the wrong device, say

@@ -346,8 +346,8 @@ def _comgr_probe(arch):
 def main_hip(args) -> int:
     if TARGET.name != "hip":
         print(f"compile_check --target hip needs NUMBA_CP_BACKEND=hip (with "
-              f"NUMBA_CP_COMPILE_ONLY=1 on a machine with no GPU); the active backend is {TARGET.name}",
-              file=sys.stderr)
+              f"NUMBA_CP_COMPILE_ONLY=1 on a machine with no GPU); the active backend is "
+              f"{TARGET.name}", file=sys.stderr)
         return 2
     archs = tuple(a.strip() for a in args.arch.split(",") if a.strip())
     lld = _find_lld(args.lld)

@@ -35,7 +35,8 @@ def _declared_kernels():
             if not isinstance(node, ast.FunctionDef):
                 continue
             for decorator in node.decorator_list:
-                if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", "") == "declare":
+                if (isinstance(decorator, ast.Call)
+                        and getattr(decorator.func, "id", "") == "declare"):
                     chained = any(k.arg == "chained" and getattr(k.value, "value", False)
                                   for k in decorator.keywords)
                     body = node.body

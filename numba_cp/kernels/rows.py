@@ -337,6 +337,6 @@ def _slots_pages(slots):
     body = "".join(f"    {name}(blocks, pages, sparse_table, head, row, n_used, topk, lane)\n"
                    for name in names)
     namespace = {name: _slot_pages(s, slots) for s, name in enumerate(names)}
-    exec(f"def store_slots(blocks, pages, sparse_table, head, row, n_used, topk, lane):\n"  # noqa: S102
-         f"{body}", namespace)
+    header = "def store_slots(blocks, pages, sparse_table, head, row, n_used, topk, lane):\n"
+    exec(header + body, namespace)  # noqa: S102
     return inline_device(namespace["store_slots"])
