@@ -235,23 +235,27 @@ def test_sparse_table_by_address_matches_oracle(case, data):
         name
 
 
+def one_key_each_scores():
+    """The scores of the test below: three heads, three rows, 25 columns, of which only
+    the first two are in the window."""
+    scores = np.full((3, 3, 25), np.nan, np.float32)
+    scores[:, :, :2] = [[[-1.8217351e-01, 0.0], [-6.7603135e-01, -8.2942314e-02],
+                         [4.1103151e-01, 7.2500944e-02]],
+                        [[6.6452272e-02, 2.6445988e-01], [np.nan, -1.3916619e-01],
+                         [-7.5815052e-01, 1.8490146e+00]],
+                        [[-2.3959079e+00, -np.inf], [-1.4012985e-45, 1.0561718e+00],
+                         [-1.7270355e+00, 3.4e+38]]]
+    return scores
+
+
 def test_sparse_table_by_address_of_shards_with_one_key_each():
     """The example the hypothesis test above waited in on an H100, pinned as one launch:
     three rows of one request of 255 tokens (two blocks), so each rank's six keys are one
     block's and five empty ones; the rank merge + table by address. Runs of eight keys
     span both ranks, so the merge finds them out of order and votes so: with Numba's
     syncthreads_or as that vote the kernel never finished (BENCHMARKS.md, "Small rows,
-    2026-12-07: the rank merge's block vote"). Only the first two columns of scores are
-    in the window."""
-    first_two = [[[-1.8217351e-01, 0.0], [-6.7603135e-01, -8.2942314e-02],
-                  [4.1103151e-01, 7.2500944e-02]],
-                 [[6.6452272e-02, 2.6445988e-01], [np.nan, -1.3916619e-01],
-                  [-7.5815052e-01, 1.8490146e+00]],
-                 [[-2.3959079e+00, -np.inf], [-1.4012985e-45, 1.0561718e+00],
-                  [-1.7270355e+00, 3.4e+38]]]
-    scores = np.full((3, 3, 25), np.nan, np.float32)
-    scores[:, :, :2] = first_two
-    case = Case(scores, np.array([255], np.int32), world=2, topk=6, query_len=3,
+    2026-12-07: the rank merge's block vote")."""
+    case = Case(one_key_each_scores(), np.array([255], np.int32), world=2, topk=6, query_len=3,
                 global_blocks=25, init_blocks=0, local_blocks=1)
     keys = gathered_keys(case, case.topk)
     assert ((keys != 0).sum(axis=-1) == 1).all()

@@ -21,14 +21,7 @@ import test_merge as tm
 from support import Case
 
 variant = sys.argv[1]
-first_two = [[[-1.8217351e-01, 0.0], [-6.7603135e-01, -8.2942314e-02],
-              [4.1103151e-01, 7.2500944e-02]],
-             [[6.6452272e-02, 2.6445988e-01], [np.nan, -1.3916619e-01],
-              [-7.5815052e-01, 1.8490146e+00]],
-             [[-2.3959079e+00, -np.inf], [-1.4012985e-45, 1.0561718e+00],
-              [-1.7270355e+00, 3.4e+38]]]
-scores = np.full((3, 3, 25), np.nan, np.float32)
-scores[:, :, :2] = first_two
+scores = tm.one_key_each_scores()
 if variant == "finite":
     scores = np.nan_to_num(scores, nan=0.25, posinf=1.0, neginf=-1.0)
 seq = 255
