@@ -69,7 +69,8 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
     the row's order, for its ``slots`` candidates (places ``>= run``: not
     among the top ``run``); with ``warp_layout``, warp 0's lanes hold the
     places in element order instead, as the warp family leaves them (one
-    more barrier), and each candidate's ``t[s]`` (set by the caller for slot
+    more barrier, but for presorted runs found in order: their vote's barrier
+    serves), and each candidate's ``t[s]`` (set by the caller for slot
     ``s``, candidate ``s * threads + tid``) moves with its key. ``shared`` is a
     shared int64 array of ``3 * threads * slots + 1 + run``; ``raw``, ``v``,
     ``t`` and ``acc`` local arrays of ``slots``.
@@ -190,6 +191,16 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
         return capacity
 
     @inline_device
+    def lay_out(shared, free, v, acc):
+        """The thread's keys among the top ``run`` at ``shared[free + place]``, each
+        with its payload at ``shared[carried + place]``, for warp 0 to read."""
+        for s in range(slots):
+            if v[s] < run:
+                shared[uint64(free + v[s])] = acc[s]
+                shared[uint64(carried + v[s])] = shared[
+                    uint64(payloads + _TAG_TOP - (acc[s] & _TAG_TOP))]
+
+    @inline_device
     def rank_topk(src, ctx, count, raw, v, t, acc, shared):
         tid = cuda.threadIdx.x
         for s in range(slots):
@@ -201,7 +212,12 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
         if presorted and tid == 0:
             shared[flag] = 0
         cuda.syncthreads()
-        free = 0  # a shared region nobody reads any more
+        # With warp_layout each thread writes its keys of the top run by place, and warp 0
+        # reads them back after a barrier. A presorted row writes them as the runs place
+        # them before its vote, whose barrier is then the one warp 0 waits for; only a
+        # row that turns out disordered writes them again, ranked.
+        free = capacity  # a shared region nobody reads any more
+        ranked = True
         if presorted:
             disordered = False
             for s in range(slots):
@@ -210,21 +226,15 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
                     disordered = True
             # Place the keys as if the runs were sorted before the check's verdict.
             place_in_runs(shared, 0, v, acc)
-            free = capacity
-            if block_any(disordered, shared[flag:flag + 1]):
-                free = rank_everything(shared, v, acc)
-        else:
+            if warp_layout:
+                lay_out(shared, free, v, acc)
+            ranked = block_any(disordered, shared[flag:flag + 1])
+        if ranked:
             free = rank_everything(shared, v, acc)
-        # The layout's loops are written out here: as device functions of their own
-        # they put the register arrays in scratch memory on AMD (24 B at run=32,
-        # slots=2 in the HIP compile check).
+            if warp_layout:
+                lay_out(shared, free, v, acc)
+                cuda.syncthreads()
         if warp_layout:
-            for s in range(slots):
-                if v[s] < run:
-                    shared[uint64(free + v[s])] = acc[s]
-                    shared[uint64(carried + v[s])] = shared[
-                        uint64(payloads + _TAG_TOP - (acc[s] & _TAG_TOP))]
-            cuda.syncthreads()
             for s in range(slots):
                 e = tid * slots + s
                 if tid < WARP_LANES and e < run:
