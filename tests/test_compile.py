@@ -245,3 +245,29 @@ def test_kernels_by_address_take_fewer_parameter_words():
                                            ("merge_topk_ids_and_table", "64"),
                                            ("merge_topk_ids_and_table_addressed", "25"))], \
         proc.stdout
+
+
+def test_compile_check_fails_a_kernel_that_votes_at_a_barrier(monkeypatch):
+    """A barrier vote in a kernel's PTX (Numba's syncthreads_or and kin: ``bar.red``)
+    fails its line, whatever its family; a plain barrier does not. No compiler needed:
+    the PTX is given."""
+    from numba_cp import compile_check
+
+    ptx = {"votes": "bar.sync \t0;\n\tbar.red.or.pred \t%p3, 0, %p2;\n",
+           "waits": "bar.sync \t0;\n\tld.shared.u64 \t%rd4, [%rd3];\n"}
+
+    class Compiler:
+        @staticmethod
+        def compile_ptx(pyfunc, sig, cc):
+            return ptx[pyfunc], None
+
+    monkeypatch.setattr(compile_check, "cuda", Compiler)
+    monkeypatch.setattr(compile_check, "_chosen", lambda only: [
+        ("merge_topk_ids_rank[votes]", "votes", None), ("ipc_wait[votes]", "votes", None),
+        ("merge_topk_ids_rank[waits]", "waits", None)])
+    lines = {label: (ok, detail)
+             for label, ok, _, detail in compile_check._compile_each((9, 0), None)}
+    assert lines["merge_topk_ids_rank[votes]"] == (False, f"{len(ptx['votes'])} bytes of PTX, "
+                                                          "0 B local memory, a block vote")
+    assert not lines["ipc_wait[votes]"][0]
+    assert lines["merge_topk_ids_rank[waits]"][0]
