@@ -48,26 +48,26 @@ def array_signature(obj):
     None means "not cacheable" (the wrapper then validates on every call). The
     pointer saves reading the interface twice.
     """
-    return _array_signer()(obj)
+    return _signers()[0](obj)
 
 
-_SIGNER = (None, None, None)  # (TARGET, _torch.found(), the signer made for them)
+_SIGNERS = (None, None, None)  # (TARGET, _torch.found(), the signers made for them)
 
 
-def _array_signer():
-    """:func:`array_signature` for the current target and PyTorch (which the caller may
-    import at any time): the per-array type tests with what they compare against
-    looked up once, not once per array of every call."""
-    global _SIGNER
+def _signers():
+    """``(sign one array, sign a call's arrays)`` for the current target and PyTorch
+    (which the caller may import at any time): the per-array type tests with what they
+    compare against looked up once, not once per array of every call."""
+    global _SIGNERS
     torch = _torch.found()
-    target, found, signer = _SIGNER
+    target, found, signers = _SIGNERS
     if target is not TARGET or found is not torch:
-        signer = _make_signer(TARGET.simulator, torch, _cupy_ndarray())
-        _SIGNER = (TARGET, torch, signer)
-    return signer
+        signers = _make_signers(TARGET.simulator, torch, _cupy_ndarray())
+        _SIGNERS = (TARGET, torch, signers)
+    return signers
 
 
-def _make_signer(simulator, torch, cupy_ndarray):
+def _make_signers(simulator, torch, cupy_ndarray):
     if simulator:
         def simulated_signature(obj):
             if isinstance(obj, np.ndarray):
@@ -75,7 +75,7 @@ def _make_signer(simulator, torch, cupy_ndarray):
                         obj.__array_interface__["data"][0])
             return None
 
-        return simulated_signature
+        return simulated_signature, _signing_each(simulated_signature)
     tensor = torch.tensor if torch is not None else None
     tensor_typestrs = torch.typestrs if torch is not None else None
     strided = torch.strided if torch is not None else None
@@ -83,42 +83,81 @@ def _make_signer(simulator, torch, cupy_ndarray):
     # array's key (155 of 455 ns on a 2-core CPU; 283 ns with this table)
     typestrs = {}
 
-    def signature(obj):
-        kind = type(obj)
-        if kind is cupy_ndarray:
-            # CuPy builds its interface dict on every access (about 2 us); its attributes
-            # say the same for the key. dtype.str is the interface's typestr.
-            dtype = obj.dtype
-            typestr = typestrs.get(dtype)
-            if typestr is None:
-                typestr = typestrs[dtype] = dtype.str
-            return (typestr, obj.shape, obj.strides, False), obj.data.ptr
-        if kind is tensor:
-            # PyTorch builds its interface in Python on every access (several us); the
-            # tensor's attributes give the same key: the interface omits a contiguous
-            # tensor's strides, gives pointer 0 for an empty one and is never read-only.
-            # Written out here, not called: an eager call keys up to six tensors, and
-            # each of the seven reads (eight for a strided view) costs 40-90 ns. A tensor
-            # the interface would refuse (or whose dtype is not in the table) goes to the
-            # interface, and validation reports its answer.
-            try:
-                dtype = tensor_typestrs.get(obj.dtype)
-                if (dtype is not None and obj.is_cuda and not obj.requires_grad
-                        and obj.layout is strided):
-                    shape = obj.shape  # a torch.Size: a tuple, equal and hashed as one
-                    pointer = 0 if 0 in shape else obj.data_ptr()
-                    if obj.is_contiguous():
-                        return (dtype[0], shape, None, False), pointer
-                    itemsize = dtype[1]
-                    return (dtype[0], shape, tuple([step * itemsize for step in obj.stride()]),
-                            False), pointer
-            except RuntimeError:  # a nested tensor has no shape to read
-                pass
-        elif kind is FixedView:
-            return obj.signature
-        return _interface_signature(obj)
+    def sign_call(arrays):
+        # One loop over a call's arrays with each kind's key written out, not called:
+        # an eager call keys up to six arrays, and a function call per array costs
+        # about as much as a CuPy array's key.
+        keys, pointers = [], []
+        for obj in arrays:
+            kind = type(obj)
+            if kind is cupy_ndarray:
+                # CuPy builds its interface dict on every access (about 2 us); its
+                # attributes say the same for the key. dtype.str is the interface's typestr.
+                dtype = obj.dtype
+                typestr = typestrs.get(dtype)
+                if typestr is None:
+                    typestr = typestrs[dtype] = dtype.str
+                keys.append((typestr, obj.shape, obj.strides, False))
+                pointers.append(obj.data.ptr)
+                continue
+            if obj is None:
+                keys.append(None)
+                pointers.append(None)
+                continue
+            if kind is tensor:
+                # PyTorch builds its interface in Python on every access (several us);
+                # the tensor's attributes give the same key: the interface omits a
+                # contiguous tensor's strides, gives pointer 0 for an empty one and is
+                # never read-only. Each of the seven reads (eight for a strided view)
+                # costs 40-90 ns. A tensor the interface would refuse (or whose dtype
+                # is not in the table) goes to the interface, and validation reports
+                # its answer.
+                try:
+                    dtype = tensor_typestrs.get(obj.dtype)
+                    if (dtype is not None and obj.is_cuda and not obj.requires_grad
+                            and obj.layout is strided):
+                        shape = obj.shape  # a torch.Size: a tuple, equal and hashed as one
+                        pointer = 0 if 0 in shape else obj.data_ptr()
+                        if obj.is_contiguous():
+                            strides = None
+                        else:
+                            itemsize = dtype[1]
+                            strides = tuple([step * itemsize for step in obj.stride()])
+                        keys.append((dtype[0], shape, strides, False))
+                        pointers.append(pointer)
+                        continue
+                except RuntimeError:  # a nested tensor has no shape to read
+                    pass
+            signed = obj.signature if kind is FixedView else _interface_signature(obj)
+            if signed is None:
+                return None, None
+            keys.append(signed[0])
+            pointers.append(signed[1])
+        return tuple(keys), pointers
 
-    return signature
+    def signature(obj):
+        if obj is None:
+            return None
+        keys, pointers = sign_call((obj,))
+        return None if keys is None else (keys[0], pointers[0])
+
+    return signature, sign_call
+
+
+def _signing_each(signature):
+    """A call's signer from an array's: ``(keys, pointers)``, or ``(None, None)`` where an
+    array cannot be keyed."""
+    def sign_call(arrays):
+        keys, pointers = [], []
+        for obj in arrays:
+            signed = (None, None) if obj is None else signature(obj)
+            if signed is None:
+                return None, None
+            keys.append(signed[0])
+            pointers.append(signed[1])
+        return tuple(keys), pointers
+
+    return sign_call
 
 
 def _interface_signature(obj):
@@ -148,8 +187,30 @@ def context_token():
     """Identifies the current GPU context: compiled kernels belong to one context."""
     if TARGET.name != "cuda":
         return 0
-    _, context = _driver().cuCtxGetCurrent()
-    return int(context)
+    return _current_context()()
+
+
+@lru_cache(maxsize=None)
+def _current_context():
+    """``() -> int``, the current context's handle, read once per call of every wrapper.
+
+    CuPy's Cython binding returns the handle as an integer; cuda-bindings returns
+    a status and a context object in a tuple, which costs several times as much
+    (0.3-0.5 us per call on an H100 host). Both read ``cuCtxGetCurrent``.
+    """
+    try:
+        from cupy_backends.cuda.api.driver import ctxGetCurrent
+    except ImportError:
+        ctxGetCurrent = None
+    if callable(ctxGetCurrent):
+        return ctxGetCurrent
+    driver = _driver()
+
+    def current_context():
+        _, context = driver.cuCtxGetCurrent()
+        return int(context)
+
+    return current_context
 
 
 CHAINED_ENV = "NUMBA_CP_CHAINED_LAUNCH"
@@ -211,20 +272,11 @@ def call_signature(arrays, scalars):
     kernel belongs to one context. A key holding an unhashable scalar fails
     to hash where it is looked up.
     """
-    sign = _array_signer()
-    keyed, pointers = [], []
-    for array in arrays:
-        if array is None:
-            keyed.append(None)
-            pointers.append(None)
-            continue
-        signature = sign(array)
-        if signature is None:
-            return None, None
-        keyed.append(signature[0])
-        pointers.append(signature[1])
+    keys, pointers = _signers()[1](arrays)
+    if keys is None:
+        return None, None
     scalars = tuple(scalars)
-    return (tuple(keyed), scalars, tuple(map(type, scalars)), context_token()), pointers
+    return (keys, scalars, tuple(map(type, scalars)), context_token()), pointers
 
 
 class LaunchCache(dict):
@@ -387,6 +439,7 @@ class _DirectLaunch:
         block = launch.block if isinstance(launch.block, tuple) else (launch.block,)
         self.dims = grid + tuple(block) + (1,) * (3 - len(block))
         self.lock = threading.Lock()  # the parameter block is shared by calls
+        self.written = None  # the pointers the block holds, where a call gave them
         self.use_driver = True
         # Chained kernels open with chain_grids() (kernels/primitives.py): they may be
         # launched while the kernel before them on the stream still runs.
@@ -405,9 +458,15 @@ class _DirectLaunch:
     def __call__(self, objects, stream, pointers=None):
         stream = resolve_stream(stream, objects[0])
         with self.lock:
-            for slot, i in self.pointer_slots:
-                self.values[slot] = (pointers[i] if pointers is not None
-                                     else objects[i].__cuda_array_interface__["data"][0])
+            # The driver copies the parameter block at each launch, so it is rewritten only
+            # when the arrays moved: a loop calls with the same buffers, and each write
+            # into the ctypes block costs more than comparing the pointers.
+            if pointers is None or pointers != self.written:
+                for slot, i in self.pointer_slots:
+                    self.values[slot] = (pointers[i] if pointers is not None
+                                         else objects[i].__cuda_array_interface__["data"][0])
+                # a copy: a caller may change its list in place
+                self.written = None if pointers is None else pointers[:]
             if self.use_driver:
                 success = self.driver.CUresult.CUDA_SUCCESS
                 chain = self.chainable and chained_launches()  # may refuse the variable

@@ -199,6 +199,7 @@ def _direct_launch(driver):
     launch.driver, launch.function, launch.cu_kernel = driver, "function", None
     launch.dims, launch.params_address, launch.values = (1, 1, 1, 32, 1, 1), 0, []
     launch.pointer_slots, launch.lock, launch.use_driver = [], threading.Lock(), True
+    launch.written = None
     stream = type("Stream", (), {"handle": 0})()
     launch.chainable, launch.configs = True, {stream: "config"}
     return launch, stream

@@ -151,6 +151,24 @@ def test_repeated_calls_take_the_direct_path(fresh_caches):
     assert list(ops._MERGE_LAUNCHES.values()) == [merge]
 
 
+def test_a_cached_launch_follows_its_arrays_from_call_to_call(fresh_caches):
+    """One signature, its arrays swapped between calls (both inputs, both outputs, then
+    back, then the same ones twice): each call reads and writes the arrays it is given,
+    however many of its pointers repeat the call before (on numba-cuda the direct
+    launch rewrites its parameter block only where they moved)."""
+    window = dict(query_len=1, init_blocks=1, local_blocks=1)
+    inputs = [_merge_inputs(seed) for seed in (9, 10)]
+    keys = [to_device(k) for k, _ in inputs]
+    seqs = [to_device(s) for _, s in inputs]
+    outs = [to_device(np.zeros((1, 4, 6), np.int32)) for _ in range(2)]
+    for k, o in ((0, 0), (1, 1), (1, 0), (0, 1), (0, 1), (1, 1), (1, 1)):
+        outs[o][...] = 7
+        numba_cp.merge_topk_keys(keys[k], outs[o], seqs[k], **window)
+        np.testing.assert_array_equal(to_host(outs[o]), ref.merge_topk_keys(
+            inputs[k][0], inputs[k][1], topk=6, **window), err_msg=f"keys {k}, out {o}")
+    assert len(ops._MERGE_LAUNCHES) == 1
+
+
 def test_direct_launch_fallback_warns_once_naming_the_attribute(monkeypatch, fresh_caches):
     """A missing numba-cuda internal: every launch falls back to Numba's dispatch, exactly,
     and the user hears about it once, with the attribute named."""

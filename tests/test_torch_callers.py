@@ -363,13 +363,33 @@ def test_cupy_arrays_are_keyed_as_their_interface_keys_them(monkeypatch, gpu_key
     equal to the interface's key, and the same for equal dtypes that are distinct
     objects or of other byte orders."""
     monkeypatch.setattr(launcher, "_cupy_ndarray", lambda: FakeCupyArray)
-    monkeypatch.setattr(launcher, "_SIGNER", (None, None, None))
+    monkeypatch.setattr(launcher, "_SIGNERS", (None, None, None))
     for dtype in ("<i4", "=i4", "int32", ">i4", "<i8", "<f4", "|u1"):
         array = FakeCupyArray(_base("int32").transpose(0, 2, 1), dtype)
         for _ in range(2):  # the table's first answer, then its kept one
             assert array_signature(array) == array_signature(InterfaceOnly(array)), dtype
     big = FakeCupyArray(_base("int32"), ">i4")
     assert array_signature(big)[0][0] == ">i4"
+
+
+def test_a_call_of_mixed_arrays_is_keyed_as_each_array_is(monkeypatch, torch, gpu_keys):
+    """A call's key is its arrays' keys in order, whichever way each is read (the CuPy
+    key written out in the call's loop, a tensor's attributes, the interface), with
+    None for an absent array; one array that cannot be keyed leaves the call unkeyed."""
+    monkeypatch.setattr(launcher, "_cupy_ndarray", lambda: FakeCupyArray)
+    monkeypatch.setattr(launcher, "_SIGNERS", (None, None, None))
+    cupy_array = FakeCupyArray(_base("int64")[:, 1:], "<i8")
+    tensor = FakeTensor(VIEWS["transposed"][0]())
+    other = InterfaceOnly(FakeCupyArray(_base("int32")))
+    arrays = [cupy_array, None, tensor, other, FakeCupyArray(_base("int32")[::-1])]
+    key, pointers = call_signature(arrays, (4, None))
+    each = [(None, None) if a is None else array_signature(a) for a in arrays]
+    assert key[0] == tuple(k for k, _ in each)
+    assert pointers == [p for _, p in each]
+    assert key[1:3] == ((4, None), (int, type(None)))
+    grad = FakeTensor(_base(), requires_grad=True)
+    assert call_signature(arrays + [grad], ()) == (None, None)
+    assert call_signature([grad] + arrays, ()) == (None, None)
 
 
 def test_a_module_mid_import_is_not_looked_up(monkeypatch):
