@@ -280,26 +280,41 @@ def call_signature(arrays, scalars):
 
 
 class LaunchCache(dict):
-    """signature -> KernelLaunch, bounded (a long-lived process sees few shapes)."""
+    """signature -> KernelLaunch, bounded (a long-lived process sees few shapes).
+
+    The last entry found is kept beside the table: an eager loop repeats one
+    signature, and comparing its key with that entry's costs half of hashing it
+    (the key is rebuilt, and so rehashed, on every call).
+    """
+
+    _last = (None, None)  # (key, launch) of the last call that found or made one
 
     def launch_for(self, arrays, scalars, plan):
         """The validated launch for this call (``plan(arrays, *scalars)`` builds a new
         one, validating), and the arrays' data pointers."""
         key, pointers = call_signature(arrays, scalars)
-        try:
-            launch = self.get(key) if key is not None else None
-        except TypeError:  # an unhashable scalar: no cache, and validation names it
-            key = launch = None
-        if launch is None:
-            launch = plan(arrays, *scalars)
+        last_key, launch = self._last
+        if key is None or key != last_key:
+            try:
+                launch = self.get(key) if key is not None else None
+            except TypeError:  # an unhashable scalar: no cache, and validation names it
+                key = launch = None
+            if launch is None:
+                launch = plan(arrays, *scalars)
+                if key is not None:
+                    if len(self) >= _MAX_CACHED:
+                        self.clear()
+                    self[key] = launch
             if key is not None:
-                if len(self) >= _MAX_CACHED:
-                    self.clear()
-                self[key] = launch
+                self._last = (key, launch)
         footprint = getattr(launch, "footprint", None)
         if footprint is not None:
             footprint.check(arrays, pointers)
         return launch, pointers
+
+    def clear(self):
+        self._last = (None, None)
+        super().clear()
 
 
 class KernelLaunch:

@@ -40,6 +40,46 @@ def test_same_signature_new_data_is_recomputed(monkeypatch):
     assert len(planned) == 1, "one signature, one validation"
 
 
+class Described:
+    """An array known only by its ``__cuda_array_interface__`` (over no memory)."""
+
+    def __init__(self, shape, pointer):
+        self.shape = shape
+        self.__cuda_array_interface__ = dict(typestr="<i4", shape=shape, strides=None,
+                                             data=(pointer, False), version=3)
+
+
+def test_the_cache_answers_each_signature_with_its_own_launch(monkeypatch):
+    """Signatures in turn, repeated, then after the table is cleared: each call gets the
+    launch planned for its signature, and each signature is planned once per filling
+    (the last signature found is kept beside the table, and must never answer another)."""
+    # keys as on a GPU target, HIP: CUDA's would ask the driver for the context
+    monkeypatch.setattr(launcher, "TARGET", dataclasses.replace(TARGET, name="hip"))
+    monkeypatch.setattr(launcher, "_SIGNERS", (None, None, None))
+    cache, planned = LaunchCache(), []
+
+    def plan(arrays, *scalars):
+        planned.append((arrays[0].shape, scalars))
+        return ("launch", arrays[0].shape, scalars)
+
+    wide, narrow = Described((2, 8), 4096), Described((2, 4), 8192)
+    calls = [(wide, (1, 2)), (wide, (1, 2)), (narrow, (1, 2)), (wide, (1, 2)),
+             (wide, (1, 2.0)), (wide, (1, True)), (wide, (1, 1)), (wide, (1, 2))]
+    for array, scalars in calls:
+        launch, pointers = cache.launch_for((array,), scalars, plan)
+        assert launch == ("launch", array.shape, scalars)
+        assert type(launch[2][1]) is type(scalars[1])
+        assert pointers == [array.__cuda_array_interface__["data"][0]]
+    assert len(planned) == 5  # (8, 2), (4, 2), (8, 2.0), (8, True), (8, 1)
+    cache.clear()
+    assert cache.launch_for((wide,), (1, 2), plan)[0] == ("launch", (2, 8), (1, 2))
+    assert len(planned) == 6, "a cleared table plans again"
+    unhashable = [3]
+    for _ in range(2):
+        assert cache.launch_for((wide,), (1, unhashable), plan)[0][2] == (1, [3])
+    assert len(planned) == 8, "an unhashable scalar is validated on every call"
+
+
 def test_cached_signature_still_rejects_a_float_or_bool_scalar():
     scores, seq = to_device(shard(0)), to_device(np.full(3, 999, np.int32))
     out = to_device(np.zeros((2, 3, 4), np.int64))
