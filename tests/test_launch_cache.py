@@ -6,6 +6,8 @@ the launch falls back to Numba's dispatch with one warning.
 """
 
 import dataclasses
+import sys
+import types
 import warnings
 
 import numpy as np
@@ -276,3 +278,53 @@ def test_a_block_past_the_compiled_kernels_limit_is_named():
     assert "threads: 1024 threads per block" in str(error) and "threads <= 640" in str(error)
     assert launcher.block_limit_error((256,), 640, "k") is None
     assert launcher.block_limit_error(1024, None, "k") is None
+
+
+class _ContextDriver:
+    """cuda-bindings' ``cuCtxGetCurrent``: a status and a context object."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def cuCtxGetCurrent(self):
+        return 0, type("CUcontext", (), {"__int__": lambda _: self.handle})()
+
+
+def _cupy_driver(monkeypatch, ctx_get_current):
+    """A ``cupy_backends.cuda.api.driver`` whose ``ctxGetCurrent`` is the one given
+    (None: CuPy is not installed)."""
+    names = ("cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.api",
+             "cupy_backends.cuda.api.driver")
+    if ctx_get_current is None:
+        monkeypatch.setitem(sys.modules, names[0], None)  # import raises ImportError
+        return
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[names[-1]].ctxGetCurrent = ctx_get_current
+
+
+@pytest.fixture
+def fresh_context_reader(monkeypatch):
+    monkeypatch.setattr(launcher, "_driver", lambda: _ContextDriver(0x5000))
+    launcher._current_context.cache_clear()
+    yield
+    launcher._current_context.cache_clear()
+
+
+def _refuse():
+    raise RuntimeError("cuCtxGetCurrent: CUDA_ERROR_SHARED_OBJECT_INIT_FAILED")
+
+
+@pytest.mark.parametrize("cupy_answer, takes_cupy", [
+    (lambda: 0x5000, True),  # installed and agreeing: CuPy's integer answer
+    (lambda: 0x6000, False),  # another answer: not trusted
+    (_refuse, False),  # a CuPy whose driver functions cannot load
+    (None, False),  # no CuPy
+])
+def test_the_context_token_reads_cupy_only_where_it_answers_as_cuda_bindings(
+        monkeypatch, fresh_context_reader, cupy_answer, takes_cupy):
+    _cupy_driver(monkeypatch, cupy_answer)
+    reader = launcher._current_context()
+    assert (reader is cupy_answer) is takes_cupy
+    assert reader() == 0x5000
+    assert launcher._current_context() is reader, "chosen once"
