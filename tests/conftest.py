@@ -8,12 +8,28 @@ os.environ.setdefault("NUMBA_CP_BACKEND", "sim")
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from support import find_mpiexec, thread_timeouts  # noqa: E402
+from support import find_mpiexec, keep_stderr, last_resort_limit, thread_timeouts  # noqa: E402,E501
 
 settings.register_profile(
     "numba_cp", deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "numba_cp"))
+
+
+def pytest_configure(config):
+    keep_stderr()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """On a GPU target, a last resort past each test's limit (support.last_resort_limit)."""
+    from numba_cp.backend import TARGET
+
+    if TARGET.simulator:
+        yield
+        return
+    with last_resort_limit(item):
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -35,9 +35,55 @@ def thread_timeouts(items):
     default, a signal, is handled only between Python bytecodes; a call waiting in C on
     a GPU kernel that never returns would let the limit pass unnoticed and hang."""
     for item in items:
-        own = item.get_closest_marker("timeout")
-        seconds = own.kwargs.get("timeout", own.args[0] if own.args else None) if own else None
-        item.add_marker(pytest.mark.timeout(seconds, method="thread"), append=False)
+        item.add_marker(pytest.mark.timeout(_own_limit(item), method="thread"),
+                        append=False)
+
+
+def _own_limit(item):
+    own = item.get_closest_marker("timeout")
+    return own.kwargs.get("timeout", own.args[0] if own.args else None) if own else None
+
+
+# Seconds past a test's limit at which the last resort below ends the process.
+LAST_RESORT_GRACE = 30
+_STDERR = []  # a copy of the terminal's stderr, taken before pytest captures output
+
+
+def keep_stderr():
+    """Copy stderr's descriptor for :func:`last_resort_limit`; call it from
+    ``pytest_configure``, where pytest is not capturing output (while a test runs,
+    descriptor 2 writes into a capture file that a process ended from C never shows)."""
+    import os
+
+    if not _STDERR:
+        _STDERR.append(os.dup(2))
+
+
+@contextlib.contextmanager
+def last_resort_limit(item):
+    """While ``item`` runs: at its time limit plus :data:`LAST_RESORT_GRACE`, dump every
+    thread's stack and end the process, from faulthandler's watchdog thread.
+
+    pytest-timeout's thread method runs in a Python thread, so it needs the GIL. A call
+    that waits in C holding the GIL (a ``ctypes.PyDLL`` function, a binding that keeps
+    it over a blocking driver call) leaves that thread waiting too, and the limit passes
+    unnoticed. faulthandler's watchdog is a C thread, which needs no GIL.
+    """
+    import faulthandler
+
+    seconds = _own_limit(item)
+    if seconds is None:  # pytest-timeout's --timeout, else its ini setting
+        seconds = float(item.config.getoption("timeout", None)
+                        or item.config.getini("timeout") or 0)
+    if not seconds:
+        yield
+        return
+    faulthandler.dump_traceback_later(seconds + LAST_RESORT_GRACE, exit=True,
+                                      file=_STDERR[0] if _STDERR else 2)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def launches():
