@@ -209,14 +209,18 @@ def resolve_stream(stream, like=None):
     if stream is None:
         stream = default_stream_for(like)
     # A raw handle (the eager default) skips the probes: each failed hasattr raises inside.
-    if type(stream) is not int:
-        if (hasattr(stream, "handle") and hasattr(stream, "synchronize")
-                and not hasattr(stream, "ptr")):
-            return stream  # already a Numba stream
-        for attribute in ("ptr", "cuda_stream"):
-            if hasattr(stream, attribute):
-                stream = getattr(stream, attribute)
-                break
+    if type(stream) is int:
+        wrapped = _EXTERNAL_STREAMS.get(stream)
+        if wrapped is not None:
+            return wrapped
+    else:
+        kind = _STREAM_KINDS.get(type(stream))
+        if kind is None:
+            kind = _STREAM_KINDS[type(stream)] = _stream_kind(stream)
+        if kind == "numba":
+            return stream
+        if kind:
+            stream = getattr(stream, kind)
     if isinstance(stream, (int, np.integer)):
         handle = int(stream)
         wrapped = _EXTERNAL_STREAMS.get(handle)
@@ -226,6 +230,22 @@ def resolve_stream(stream, like=None):
         return wrapped
     raise TypeError(f"stream: expected a Numba, CuPy or PyTorch stream or an int handle, "
                     f"got {type(stream).__name__}")
+
+
+_STREAM_KINDS: dict = {}  # a stream's type -> what _stream_kind said of it
+
+
+def _stream_kind(stream):
+    """``"numba"`` for a Numba stream, else the attribute that holds the handle (``"ptr"``
+    for CuPy, ``"cuda_stream"`` for PyTorch), else ``""``. Asked once per type: each
+    failed probe raises inside."""
+    if (hasattr(stream, "handle") and hasattr(stream, "synchronize")
+            and not hasattr(stream, "ptr")):
+        return "numba"
+    for attribute in ("ptr", "cuda_stream"):
+        if hasattr(stream, attribute):
+            return attribute
+    return ""
 
 
 def default_stream_for(like=None):

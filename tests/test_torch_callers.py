@@ -423,6 +423,7 @@ def gpu_streams(monkeypatch):
     monkeypatch.setattr(arrays, "TARGET", dataclasses.replace(TARGET, name="hip"))
     monkeypatch.setattr(arrays, "cuda", fake_cuda)
     monkeypatch.setattr(arrays, "_EXTERNAL_STREAMS", {})
+    monkeypatch.setattr(arrays, "_STREAM_KINDS", {})
     return made
 
 
@@ -456,12 +457,17 @@ def test_anything_else_launches_on_cupys_current_stream(monkeypatch, torch, cupy
 
 def test_a_given_stream_wins(torch, cupy, gpu_streams):
     tensor = FakeTensor(_base())
-    assert arrays.resolve_stream(77, tensor).handle == 77
-    assert arrays.resolve_stream(FakeStream(0x99), tensor).handle == 0x99
-    numba_stream = FakeNumbaStream(5)
-    assert arrays.resolve_stream(numba_stream, tensor) is numba_stream
-    with pytest.raises(TypeError, match="^stream: expected"):
-        arrays.resolve_stream("s", tensor)
+    cupy_stream = type("Stream", (), {"ptr": 0x98})
+    for _ in range(2):  # what each stream's type holds is found once, then remembered
+        assert arrays.resolve_stream(77, tensor).handle == 77
+        assert arrays.resolve_stream(np.int64(78), tensor).handle == 78
+        assert arrays.resolve_stream(FakeStream(0x99), tensor).handle == 0x99
+        assert arrays.resolve_stream(cupy_stream(), tensor).handle == 0x98
+        numba_stream = FakeNumbaStream(5)
+        assert arrays.resolve_stream(numba_stream, tensor) is numba_stream
+        with pytest.raises(TypeError, match="^stream: expected"):
+            arrays.resolve_stream("s", tensor)
+    assert gpu_streams == [77, 78, 0x99, 0x98], "one wrapper per handle"
 
 
 def test_without_the_private_getter_the_public_current_stream(monkeypatch, cupy, gpu_streams):
