@@ -84,9 +84,9 @@ def _make_signers(simulator, torch, cupy_ndarray):
     typestrs = {}
 
     def sign_call(arrays):
-        # One loop over a call's arrays with each kind's key written out, not called:
-        # an eager call keys up to six arrays, and a function call per array costs
-        # about as much as a CuPy array's key.
+        # One loop over a call's arrays, with a CuPy array's and a tensor's keys written
+        # out, not called: an eager call keys up to six arrays, and a function call per
+        # array costs about as much as a CuPy array's key.
         keys, pointers = [], []
         for obj in arrays:
             kind = type(obj)
