@@ -381,7 +381,10 @@ def test_a_call_of_mixed_arrays_is_keyed_as_each_array_is(monkeypatch, torch, gp
     cupy_array = FakeCupyArray(_base("int64")[:, 1:], "<i8")
     tensor = FakeTensor(VIEWS["transposed"][0]())
     other = InterfaceOnly(FakeCupyArray(_base("int32")))
-    arrays = [cupy_array, None, tensor, other, FakeCupyArray(_base("int32")[::-1])]
+    fixed = numba_cp.arrays.FixedView(dict(InterfaceOnly(FakeCupyArray(
+        _base("float32")[:, ::2])).__cuda_array_interface__))
+    assert array_signature(fixed) == array_signature(InterfaceOnly(fixed))
+    arrays = [cupy_array, None, tensor, other, fixed, FakeCupyArray(_base("int32")[::-1])]
     key, pointers = call_signature(arrays, (4, None))
     each = [(None, None) if a is None else array_signature(a) for a in arrays]
     assert key[0] == tuple(k for k, _ in each)
