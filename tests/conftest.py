@@ -8,7 +8,7 @@ os.environ.setdefault("NUMBA_CP_BACKEND", "sim")
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from support import find_mpiexec, keep_stderr, last_resort_limit, thread_timeouts  # noqa: E402,E501
+from support import find_mpiexec, keep_stderr, last_resort_limit, thread_timeouts  # noqa: E402
 
 settings.register_profile(
     "numba_cp", deadline=None, derandomize=True, print_blob=True,
