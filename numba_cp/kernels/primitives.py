@@ -370,9 +370,10 @@ if NAME == "sim":
 # Numba's syncthreads_or (llvm.nvvm.barrier0.or): on one NVIDIA H100 on 2026-12-07 every
 # rank merge that voted with it and found its runs out of order never finished, and with
 # this spelling the same launches and tests/test_merge.py were exact (BENCHMARKS.md,
-# "Small rows, 2026-12-07: the rank merge's block vote"). It costs g's merge + table
-# 0.10 us there (1.91 against 1.81); a's and b's merges read the same. numba-hip has no
-# block votes at all. compile_check fails a kernel whose PTX votes at a barrier.
+# "Small rows, 2026-12-07: the rank merge's block vote"). Alone it cost g's merge + table
+# 0.10 us there (1.91 against 1.81); with a presorted row laid out before the vote
+# (kernels/rank.py) it reads 1.81 again, and a's and b's merges read the same. numba-hip
+# has no block votes at all. compile_check fails a kernel whose PTX votes at a barrier.
 @cuda.jit(device=True, inline=True)
 def block_any(flag, cell):
     """A barrier that says whether ``flag`` held in any thread of the block.

@@ -216,7 +216,7 @@ def make_rank_topk(load, key_of, run, slots, threads, chunk, presorted=False,
         # reads them back after a barrier. A presorted row writes them as the runs place
         # them before its vote, whose barrier is then the one warp 0 waits for; only a
         # row that turns out disordered writes them again, ranked.
-        free = capacity  # a shared region nobody reads any more
+        free = capacity  # past the row's keys: the layout of a row taken as sorted
         ranked = True
         if presorted:
             disordered = False
