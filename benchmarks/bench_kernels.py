@@ -164,26 +164,40 @@ class EagerRounds:
     one process while device figures repeated to 0.01 µs (results/h100-2026-12-07/,
     eager_variants_0d8a4c6.txt): rounds back to back all fall in one stretch, so each
     call's rounds are taken seconds apart instead. ``add`` registers a call (after one
-    untimed call); ``run_round`` times one round of every call registered so far.
+    untimed call); ``run_round`` times one round of every call registered so far that
+    has had fewer than ``fewer_than`` rounds; ``finish`` gives every call the same
+    number, so that a case registered late is not judged on fewer rounds than the first.
     """
 
     def __init__(self, calls):
         self.calls = calls
-        self.entries = []  # (row, key, call(stream), stream: has synchronize())
+        self.entries = []  # [row, key, call(stream), stream: has synchronize(), rounds]
 
     def add(self, row, key, call, stream):
         call(stream)
         stream.synchronize()
-        self.entries.append((row, key, call, stream))
+        self.entries.append([row, key, call, stream, 0])
 
-    def run_round(self):
-        for row, key, call, stream in self.entries:
+    def run_round(self, fewer_than=None):
+        for entry in self.entries:
+            row, key, call, stream, rounds = entry
+            if fewer_than is not None and rounds >= fewer_than:
+                continue
             start = time.perf_counter()
             for _ in range(self.calls):
                 call(stream)
             stream.synchronize()
             took = (time.perf_counter() - start) * 1e6 / self.calls
             row[key] = min(row.get(key, float("inf")), took)
+            entry[4] = rounds + 1
+
+    def finish(self, more, pause_s=1.0):
+        """``more`` rounds past the most any call has had, ``pause_s`` apart, the
+        calls behind first catching up."""
+        target = max((entry[4] for entry in self.entries), default=0) + more
+        while any(entry[4] < target for entry in self.entries):
+            time.sleep(pause_s)
+            self.run_round(fewer_than=target)
 
 
 class TorchExchange:
@@ -506,8 +520,8 @@ def main(argv=None):
     p.add_argument("--replays", type=int, default=20, help="graph replays timed")
     p.add_argument("--calls", type=int, default=200, help="eager calls timed in a round")
     p.add_argument("--rounds", type=int, default=EAGER_ROUNDS,
-                   help="eager rounds at the end, a second apart (one more after each case); "
-                        "the best one is reported")
+                   help="eager rounds at the end, a second apart (one more after each case, "
+                        "and every call gets as many as the first); the best is reported")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-torch", action="store_true",
                    help="skip the PyTorch baseline and the calls with tensors")
@@ -539,9 +553,7 @@ def main(argv=None):
         finishes.append(finish)
         eager.run_round()
         print(f"case {name} done", file=sys.stderr, flush=True)
-    for _ in range(args.rounds):
-        time.sleep(1.0)
-        eager.run_round()
+    eager.finish(args.rounds)
     for finish in finishes:
         finish()
     cols = [("case", "case"), ("pack dev", "pack_device_us"), ("/ref", "pack_vs_reference"),
