@@ -41,13 +41,17 @@ MERGE_SORT_ALL = 256
 RANK_MAX_ROW = 1024  # 3 shared int64 words per candidate: 24 KiB, inside CUDA's 48 KiB
 RANK_THREADS = 2 * TARGET.lanes if TARGET.simulator else 256
 # "auto" takes the rank kernels for launches of up to RANK_AUTO_ROWS rows of up to
-# RANK_AUTO_ROW candidates (see choose_method). A pack ranks its keys in chunks of
-# RANK_CHUNK: on the H200, chunks of 32 were within 0.05 us of 64 in cases a and b
-# and 0.3 us slower in g, chunks of 128 and 256 2.2-5.5x slower (BENCHMARKS.md,
-# "Small rows: the rank kernels").
+# RANK_AUTO_ROW candidates (see choose_method). A row of up to RANK_ONE_CHUNK
+# candidates is ranked in one chunk, a longer one in chunks of RANK_CHUNK. On one
+# H100 (BENCHMARKS.md, "Small rows, 2026-12-07 night"; median of 7 graph timings,
+# twice each way), chunks of 32 against 64 took b's pack (256 candidates) 2.08 us
+# against 2.18 and a's world-1 kernel (256) 2.01 against 2.11, but a's pack, whose 64
+# candidates make one chunk of 64, 1.41 against 1.38. Chunks of 128 and 256 were
+# 2.2-5.5x slower on the H200 ("Small rows: the rank kernels").
 RANK_AUTO_ROW = 256
 RANK_AUTO_ROWS = 256
-RANK_CHUNK = 64
+RANK_ONE_CHUNK = 64
+RANK_CHUNK = 32
 # addressed=True: the warp and rank families' pack and merge + table kernels take
 # C-contiguous arrays (with int32 seq_lens) by address and shape, in parameter blocks
 # of 17 words instead of Numba's 36 (pack) and 25 instead of 64 (merge + table).
@@ -162,7 +166,7 @@ def _rank_shape(topk: int, candidates: int, threads, sort_limit, presorted):
     if presorted:  # a merge's runs come sorted: it ranks in runs only if they were not
         chunk = run
     elif sort_limit is None:
-        chunk = RANK_CHUNK
+        chunk = RANK_ONE_CHUNK if capacity <= RANK_ONE_CHUNK else RANK_CHUNK
     else:
         chunk = _next_pow2(validate.integer("sort_limit", sort_limit, low=1,
                                             high=MAX_TOPK + 1))
