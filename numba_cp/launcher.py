@@ -68,14 +68,11 @@ def _signers():
 
 
 def _make_signers(simulator, torch, cupy_ndarray):
-    if simulator:
-        def simulated_signature(obj):
-            if isinstance(obj, np.ndarray):
-                return ((obj.dtype.str, obj.shape, obj.strides, not obj.flags.writeable),
-                        obj.__array_interface__["data"][0])
-            return None
-
-        return simulated_signature, _signing_each(simulated_signature)
+    if simulator:  # the simulator keys NumPy arrays only: the rest is validated per call
+        torch = cupy_ndarray = None
+        other_signature = _numpy_signature
+    else:
+        other_signature = _interface_signature
     tensor = torch.tensor if torch is not None else None
     tensor_typestrs = torch.typestrs if torch is not None else None
     strided = torch.strided if torch is not None else None
@@ -128,7 +125,7 @@ def _make_signers(simulator, torch, cupy_ndarray):
                         continue
                 except RuntimeError:  # a nested tensor has no shape to read
                     pass
-            signed = obj.signature if kind is FixedView else _interface_signature(obj)
+            signed = obj.signature if kind is FixedView else other_signature(obj)
             if signed is None:
                 return None, None
             keys.append(signed[0])
@@ -144,20 +141,11 @@ def _make_signers(simulator, torch, cupy_ndarray):
     return signature, sign_call
 
 
-def _signing_each(signature):
-    """A call's signer from an array's: ``(keys, pointers)``, or ``(None, None)`` where an
-    array cannot be keyed."""
-    def sign_call(arrays):
-        keys, pointers = [], []
-        for obj in arrays:
-            signed = (None, None) if obj is None else signature(obj)
-            if signed is None:
-                return None, None
-            keys.append(signed[0])
-            pointers.append(signed[1])
-        return tuple(keys), pointers
-
-    return sign_call
+def _numpy_signature(obj):
+    if isinstance(obj, np.ndarray):
+        return ((obj.dtype.str, obj.shape, obj.strides, not obj.flags.writeable),
+                obj.__array_interface__["data"][0])
+    return None
 
 
 def _interface_signature(obj):
