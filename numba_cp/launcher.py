@@ -216,7 +216,7 @@ def chained_launches() -> bool:
     By default: on numba-cuda with a GPU of compute capability 9.0 or newer,
     unless ``NUMBA_CP_CHAINED_LAUNCH=0``. Each chained kernel first waits for the
     grid before it (``chain_grids`` in kernels/primitives.py), so only its
-    launch and block placement overlap that grid, never a memory access.
+    launch overlaps the end of that grid, never a memory access.
     """
     chosen = _CHAINING[0]
     if chosen is None:

@@ -186,8 +186,10 @@ for label, fn, sig in chained:
         ptx = cuda.compile_ptx(fn, sig, cc=(9, 0))[0]
     wait = ptx.find("griddepcontrol.wait;")
     first = MEMORY.search(ptx)
-    if wait < 0 or "griddepcontrol.launch_dependents;" not in ptx:
-        sys.exit(f"{label}: no griddepcontrol in its sm_90 PTX")
+    if wait < 0:
+        sys.exit(f"{label}: no griddepcontrol.wait in its sm_90 PTX")
+    if "griddepcontrol.launch_dependents;" in ptx:  # the next grid launches as this one ends
+        sys.exit(f"{label}: triggers the next launch early (griddepcontrol.launch_dependents)")
     if first is not None and first.start() < wait:
         sys.exit(f"{label}: {first.group(0).strip()!r} comes before griddepcontrol.wait")
     options = ["-arch=sm_90"]

@@ -635,13 +635,17 @@ else:
 
 
 # Programmatic dependent launch (NVIDIA sm_90 and newer): a kernel launched with
-# the host's chained launch (numba_cp.launcher) may start while the grid before it
-# on the stream still runs. ``chain_grids()`` opens every such kernel: it waits until
-# that grid has finished and its writes are visible (a no-op after an ordinary
-# launch), then lets the next chained launch start, so that the next kernel's
-# launch and block placement overlap this one's work instead of following it.
-# Nothing may touch global memory before it. On older GPUs, AMD GPUs and the
+# the host's chained launch (numba_cp.launcher) may be launched before the grid ahead
+# of it on the stream has finished. ``chain_grids()`` opens every such kernel: it waits
+# until that grid has finished and its writes are visible (a no-op after an ordinary
+# launch). Nothing may touch global memory before it. On older GPUs, AMD GPUs and the
 # simulator it is nothing.
+# It does not trigger the next launch (``griddepcontrol.launch_dependents``): the next
+# chained kernel launches as this grid's blocks exit. With the trigger right after the
+# wait, the next grid was placed while this one ran, and on one H100 (BENCHMARKS.md,
+# "Chained launches without an early trigger") 500 eager world-1 calls back to back took
+# 29.2 us of GPU time each in case e (18.8 us a kernel in a graph) and 19.7 in case d
+# (14.3), against 19.0 and 14.6 without it; in graphs the two differed by at most 0.2 us.
 if NAME == "cuda":
     from numba.cuda.cudadrv import nvvm as _nvvm
 
@@ -666,7 +670,7 @@ if NAME == "cuda":
             chained = builder.icmp_signed(">=", arch, ir.Constant(ir.IntType(32), _CHAINED_ARCH))
             with builder.if_then(chained):
                 asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
-                                   "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;",
+                                   "griddepcontrol.wait;",
                                    "~{memory}", side_effect=True)
                 builder.call(asm, [])
             return context.get_dummy_value()
