@@ -644,8 +644,8 @@ else:
 # chained kernel launches as this grid's blocks exit. With the trigger right after the
 # wait, the next grid was placed while this one ran, and on one H100 (BENCHMARKS.md,
 # "Chained launches without an early trigger") 500 eager world-1 calls back to back took
-# 29.2 us of GPU time each in case e (18.8 us a kernel in a graph) and 19.7 in case d
-# (14.3), against 19.0 and 14.6 without it; in graphs the two differed by at most 0.2 us.
+# 29.2 us of GPU time each in case e (18.8 us a kernel in a graph) and 19.6-21.0 in case
+# d (14.3), against 19.0 and 14.6 without it; in graphs the two differed by at most 0.2 us.
 if NAME == "cuda":
     from numba.cuda.cudadrv import nvvm as _nvvm
 

@@ -21,6 +21,7 @@ import torch
 import numba_cp
 sys.path.insert(0, "benchmarks")
 from bench_kernels import CASES, INIT_BLOCKS, LOCAL_BLOCKS, case_arrays, device_us  # noqa
+from numba_cp.ops import global_topk_ids  # noqa: E402
 from numba_cp.workload import decode_workload  # noqa: E402
 
 stream = cupy.cuda.Stream(non_blocking=True)
@@ -56,7 +57,7 @@ for name in ("d", "e", "b"):
     tstream = torch.cuda.Stream()
 
     def call(a, **s):
-        numba_cp.global_topk_ids(a["scores"], a["seq"], a["idx"], **kw, **s)
+        global_topk_ids(a["scores"], a["seq"], a["idx"], **kw, **s)
 
     def in_torch_stream(a):
         with torch.cuda.stream(side):
