@@ -162,8 +162,9 @@ def test_ipc_kernels_assemble_for_sm90():
 
 
 # Every chained kernel (numba_cp.launcher's chained launches) in sm_90 PTX: the first
-# memory instruction that is not a parameter read comes after griddepcontrol.wait, and
-# nvJitLink assembles it; for sm_80, which has no griddepcontrol, the PTX has none.
+# memory instruction that is not a parameter read comes after griddepcontrol.wait, there
+# is no early trigger of the next launch (kernels/primitives.py says why), and nvJitLink
+# assembles it; for sm_80, which has no griddepcontrol, the PTX has none.
 _CHAINED = r"""
 import re, sys
 from cuda.bindings import nvjitlink as J
