@@ -10,10 +10,14 @@ init_blocks 1, local_blocks 2):
   the gathered keys of all ranks (case g: heads 1, with the sparse block table).
 * ``device us``: N calls captured in one CUDA graph on a CuPy stream and replayed;
   time per call, so launch cost is excluded.
-* ``eager us``: Python call -> work queued, CuPy arrays in, over ``--calls`` calls, the
-  best of rounds spread over the whole run (one after each case, ``--rounds`` more at
-  the end, a second apart); ``torch in``:
-  the same calls with PyTorch tensors over the same memory, on PyTorch's current stream.
+* ``eager us``: Python call -> work queued, CuPy arrays in, over ``--calls`` calls and
+  one synchronisation, the best of rounds spread over the whole run (one after each
+  case, ``--rounds`` more at the end, a second apart); ``torch in``: the same calls
+  with PyTorch tensors over the same memory, on PyTorch's current stream. A second
+  table adds ``host us``: the same rounds up to the last call's return, the host's cost
+  alone where the kernel takes longer than the call.
+* ``world1``: ``global_topk_ids``, the exchange at world 1 in one kernel, on the whole
+  unsharded row.
 * ``torch``: the same exchange written in plain PyTorch (int64 key packing +
   ``torch.topk``), graph-replayed and eager, plus ``torch.topk`` over the full
   unsharded forced rows (float scores, no sharding) as the single-GPU reference.
@@ -157,8 +161,14 @@ EAGER_ROUNDS = 3
 
 
 class EagerRounds:
-    """Host µs per eager call: ``calls`` back-to-back calls and one synchronisation, the
+    """Eager µs per call: ``calls`` back-to-back calls and one synchronisation, the
     best of rounds spread over the whole run, read as timeit reads a host cost.
+
+    Each round gives two figures. ``key`` is the whole round per call, synchronisation
+    included: the host's cost where the host is the slower side, the kernel's where the
+    GPU is. ``host_key(key)`` is the time until the last call returned, per call: the
+    host's cost alone, for no call waits on the GPU while the round's launches (a few
+    hundred) fit in the stream's launch queue.
 
     One host's eager figures moved by up to 6 µs between stretches of a few seconds of
     one process while device figures repeated to 0.01 µs (results/h100-2026-12-07/,
@@ -174,6 +184,7 @@ class EagerRounds:
         self.entries = []  # [row, key, call(stream), stream: has synchronize(), rounds]
 
     def add(self, row, key, call, stream):
+        host_key(key)  # refuses a key that names no eager call
         call(stream)
         stream.synchronize()
         self.entries.append([row, key, call, stream, 0])
@@ -186,9 +197,11 @@ class EagerRounds:
             start = time.perf_counter()
             for _ in range(self.calls):
                 call(stream)
+            queued = time.perf_counter()
             stream.synchronize()
-            took = (time.perf_counter() - start) * 1e6 / self.calls
-            row[key] = min(row.get(key, float("inf")), took)
+            done = time.perf_counter()
+            for name, took in ((key, done - start), (host_key(key), queued - start)):
+                row[name] = min(row.get(name, float("inf")), took * 1e6 / self.calls)
             entry[4] = rounds + 1
 
     def finish(self, more, pause_s=1.0):
@@ -198,6 +211,13 @@ class EagerRounds:
         while any(entry[4] < target for entry in self.entries):
             time.sleep(pause_s)
             self.run_round(fewer_than=target)
+
+
+def host_key(key):
+    """The row key of an eager call's host figure: ``pack_eager_us`` -> ``pack_host_us``."""
+    if "_eager_" not in key:
+        raise ValueError(f"an eager call's key names it eager, got {key!r}")
+    return key.replace("_eager_", "_host_", 1)
 
 
 class TorchExchange:
@@ -342,6 +362,15 @@ def run_case(name, args, torch, eager):
         numba_cp.merge_topk_keys(gathered, topk_idx, seq_lens, stream=stream, **window,
                                  **tables, **launch)
 
+    world1_idx = cupy.zeros_like(topk_idx)
+    world1_tables = {k: cupy.zeros_like(v) if k.endswith("_out") else v
+                     for k, v in tables.items()}
+    full_scores = cupy.asarray(work.full_scores)
+
+    def world1(stream):
+        global_topk_ids(full_scores, seq_lens, world1_idx, stream=stream,
+                        global_blocks=work.global_blocks, **window, **world1_tables, **launch)
+
     stream = cupy.cuda.Stream(non_blocking=True)
     row = dict(case=name, context=context, world=world, topk=topk, batch=batch,
                query_len=query_len, heads=heads, sparse_table=table_on)
@@ -358,12 +387,16 @@ def run_case(name, args, torch, eager):
             for method, threads, sort_limit in shapes:
                 launch.update(method=method, threads=threads, sort_limit=sort_limit)
                 entry = dict(method=method, threads=threads, sort_limit=sort_limit)
-                try:
-                    if not table_on:
-                        entry["pack_device_us"] = device_us(pack, stream, 20, 5)
-                    entry["merge_device_us"] = device_us(merge, stream, 20, 5)
-                except ValueError as exc:  # a shape this case's topk rules out
-                    entry["skipped"] = str(exc)
+                # world 1 ranks the whole row (a shard's rows times world), so a shape
+                # may fit the pack and not world 1
+                stages = dict(merge=merge, world1=world1)
+                if not table_on:
+                    stages = dict(pack=pack, **stages)
+                for stage, call in stages.items():
+                    try:
+                        entry[f"{stage}_device_us"] = device_us(call, stream, 20, 5)
+                    except ValueError as exc:  # a shape this case's topk or rows rule out
+                        entry[f"{stage}_skipped"] = str(exc)
                 sweep.append(entry)
         row["launch_sweep"] = sweep
         launch.clear()
@@ -374,16 +407,6 @@ def run_case(name, args, torch, eager):
             eager.add(row, "pack_eager_us", pack, stream)
         row["merge_device_us"] = device_us(merge, stream, args.per_graph, args.replays)
         eager.add(row, "merge_eager_us", merge, stream)
-        world1_idx = cupy.zeros_like(topk_idx)
-        world1_tables = {k: cupy.zeros_like(v) if k.endswith("_out") else v
-                         for k, v in tables.items()}
-        full_scores = cupy.asarray(work.full_scores)
-
-        def world1(stream):
-            global_topk_ids(full_scores, seq_lens, world1_idx, stream=stream,
-                            global_blocks=work.global_blocks, **window, **world1_tables,
-                            **launch)
-
         row["world1_device_us"] = device_us(world1, stream, args.per_graph, args.replays)
         eager.add(row, "world1_eager_us", world1, stream)
         if not table_on:
@@ -513,6 +536,17 @@ def fmt(value):
     return f"{value:.2f}" if value < 10 else f"{value:.1f}"
 
 
+def print_table(cols, rows):
+    widths = [max(11, len(header)) for header, _ in cols]
+    print("  ".join(f"{h:>{w}}" for (h, _), w in zip(cols, widths)))
+    for row in rows:
+        cells = []
+        for (_, key), w in zip(cols, widths):
+            v = row.get(key)
+            cells.append(f"{v!s:>{w}}" if isinstance(v, (str, bool)) else f"{fmt(v):>{w}}")
+        print("  ".join(cells))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
@@ -528,7 +562,8 @@ def main(argv=None):
     p.add_argument("--exchange", action="store_true",
                    help="also time case b's whole exchange at world 1 as a captured graph")
     p.add_argument("--sweep-launch", action="store_true",
-                   help="also time every threads x sort_limit launch shape per case")
+                   help="also time every threads x sort_limit launch shape per case "
+                        "(pack, merge and world 1)")
     p.add_argument("--method", choices=numba_cp.METHODS, default="auto",
                    help="kernel family timed (the sweep tries both)")
     p.add_argument("--json", default=None)
@@ -568,15 +603,17 @@ def main(argv=None):
     print(f"backend {numba_cp.backend.describe()}; times in us per call; dev = CUDA-graph "
           "replay, eager = Python call to queued work with CuPy arrays, torch in = the same "
           "with PyTorch tensors")
-    print("  ".join(f"{h:>11}" for h, _ in cols))
+    print_table(cols, rows)
+    host_cols = [("case", "case")] + [
+        (f"{stage} {label}", f"{stage}_{kind}_{caller}us")
+        for stage in ("pack", "merge", "world1")
+        for kind, caller, label in (("eager", "", "eager"), ("host", "", "host"),
+                                    ("eager", "torch_", "torch"), ("host", "torch_", "t host"))]
+    print("\neager calls: eager = a round of calls and its synchronisation, host = until the "
+          "last call returned (the host's cost alone), per call; torch = PyTorch tensors in")
+    print_table(host_cols, rows)
     for row in rows:
-        cells = []
-        for _, key in cols:
-            v = row.get(key)
-            cells.append(f"{v!s:>11}" if isinstance(v, (str, bool)) else f"{fmt(v):>11}")
-        print("  ".join(cells))
-    for row in rows:
-        for stage in ("pack", "merge"):
+        for stage in ("pack", "merge", "world1"):
             timed = [e for e in row.get("launch_sweep", []) if f"{stage}_device_us" in e]
             if timed:
                 best = min(timed, key=lambda e: e[f"{stage}_device_us"])
