@@ -4,6 +4,7 @@
 #   NUMBA_CP_BACKEND=cuda bash benchmarks/ncu_small_rows.sh [cases [method]] > ncu.txt
 # Instructions per row = smsp__inst_executed.sum / (rows x heads x warps per row).
 # --clock-control none: the GPU keeps its own clocks, as in the timed benchmarks.
+# PYTHON names the interpreter (python3 unless set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cases=${1:-a,b,g}
@@ -15,4 +16,4 @@ smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct,\
 smsp__warp_issue_stalled_wait_per_warp_active.pct,\
 smsp__warp_issue_stalled_barrier_per_warp_active.pct,\
 smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct \
-  python3 benchmarks/profile_kernels.py launch --cases "$cases" --method "$method"
+  "${PYTHON:-python3}" benchmarks/profile_kernels.py launch --cases "$cases" --method "$method"
