@@ -210,7 +210,7 @@ def test_two_level_exchange_is_exact(mpiexec, tmp_path, n, nodes, extra):
     (6, "1,2,3", "merge", ["--sparse-table", "--topk", "8", "--tokens", "2,6,2"]),
     (8, "4", "kernel", ["--sparse-table", "--method", "radix", "--tokens", "2,6,2"]),
 ], ids=["one-node-2-table", "uneven-3-radix-alternate", "two-nodes-4-table-owned-alternate",
-        "two-nodes-5-query1-radix", "uneven-6-table", "two-nodes-8-table-radix"])
+        "three-nodes-5-query1-radix", "uneven-6-table", "four-nodes-8-table-radix"])
 def test_two_level_exchange_with_fused_node_level_is_exact(mpiexec, tmp_path, n, nodes, wait,
                                                            extra):
     """hierarchy="node" over IPC inside each pretend node: the node level runs fused (the
@@ -231,12 +231,14 @@ def check_two_level(mpiexec, tmp_path, n, nodes, extra, fused, env=()):
                                       "--hierarchy", "node", *extra,
                                       env={"NUMBA_CP_NODES": nodes, **dict(env)})
     assert status == 0, output[-4000:]
-    sizes = nodes.split(",") if "," in nodes else None
+    sizes = nodes.split(",")
+    if len(sizes) == 1:  # a node count: as even as it goes, the first nodes one rank more
+        count = int(nodes)
+        sizes = [str(n // count + (k < n % count)) for k in range(count)]
     for rank, text in lines.items():
         assert not problems(text), text
         got = oks(text)
         assert len(got) == len(tokens.split(",")), text
         for line, t in zip(got, tokens.split(",")):
             assert f"fused={fused} tokens={t} two-level:" in line, line
-            if sizes:
-                assert f"{len(sizes)} node(s) of {','.join(sizes)} rank(s)" in line, line
+            assert f"{len(sizes)} node(s) of {','.join(sizes)} rank(s)" in line, line
