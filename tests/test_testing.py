@@ -18,6 +18,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import numba_cp
+from numba_cp.constants import INIT_SCORE, LOCAL_SCORE
 from numba_cp.testing import (POISON_KEY, ExchangeCase, ExchangeResult, FakeWorld,
                               assert_exchange_exact, exchange_cases, expected_exchange,
                               score_matrix, score_rows)
@@ -229,6 +230,9 @@ def test_assert_rejects_bad_arguments(call, error, message):
 
 # -- the strategies produce what they promise --------------------------------------------
 
+PINNED_LEVELS = np.array([INIT_SCORE, LOCAL_SCORE], dtype=np.float32)
+
+
 def features(case):
     """The adversarial properties one case exhibits, as labels."""
     found = {f"world {case.world}"}
@@ -253,7 +257,8 @@ def features(case):
             nan = np.isnan(values)
             labels = {"NaN": nan & (bits < 2**31), "negative NaN": nan & (bits >= 2**31),
                       "+0": bits == 0, "-0": bits == 2**31, "+inf": values == np.inf,
-                      "-inf": values == -np.inf, "score at a pinned level": values >= 1e29}
+                      "-inf": values == -np.inf,
+                      "score at a pinned level": np.isin(values, PINNED_LEVELS)}
             found.update(label for label, hit in labels.items() if hit.any())
             if labels["+0"].any() and labels["-0"].any():
                 found.add("+0 and -0 in one row")
