@@ -99,7 +99,6 @@ def case_arrays(name, seed=0):
     return topk, window, shard_args, arrays
 
 
-
 def device_us(call, stream, per_graph, replays):
     """Per-call device time of ``call(stream)``: a graph of ``per_graph`` calls, replayed."""
     import cupy
