@@ -514,8 +514,7 @@ class CandidateExchange:
             return "none (world 1: one kernel takes the scores' top-k ids)"
         t = self.transport
         reason = f" ({t.reason})" if getattr(t, "reason", "") else ""
-        fused = ", fused into pack and merge" if self.fused else ""
-        return f"{t.name}{reason}{fused}"
+        return f"{t.name}{reason}{_fused_words(self._delivery)}"
 
     @property
     def gather_is_capturable(self) -> bool:
@@ -690,9 +689,9 @@ class _NodeLevels:
         t = self.transport
         reason = f" ({t.reason})" if getattr(t, "reason", "") else ""
         sizes = ",".join(map(str, self.layout.sizes()))
-        fused = ", fused into pack and merge" if self.fused else ""
         return (f"two-level: {self.layout.nodes} node(s) of {sizes} rank(s); inside a node "
-                f"{t.name}{reason}{fused}; across nodes the leaders' MPI all-gather")
+                f"{t.name}{reason}{_fused_words(self._delivery)}; across nodes the leaders' "
+                "MPI all-gather")
 
     def close(self):
         self._delivered.clear()
@@ -701,6 +700,15 @@ class _NodeLevels:
             self.transport.teardown(collective=False)
         finally:
             self.node_comm.Free()
+
+
+def _fused_words(delivery) -> str:
+    """How a plan's description says where its fused gather waits (nothing if unfused)."""
+    if delivery is None:
+        return ""
+    where = ("the merge's blocks wait for the peers" if delivery.wait_in_merge
+             else "a wait kernel before the merge")
+    return f", fused into pack and merge ({where})"
 
 
 class _Views(NamedTuple):

@@ -91,9 +91,10 @@ def test_plan_serves_token_counts_with_one_transport(mpiexec, tmp_path, n, trans
     assert status == 0, output[-4000:]
     name = transport or "host"  # the simulator's plans gather host arrays by default
     fused = name == "ipc"  # the default: fused wherever the transport allows it
+    waits = " wait=kernel" if fused else ""  # the simulator's GPUs are unknown
     for rank, text in lines.items():
         assert not problems(text), text
-        assert oks(text) == [f"transport={name} fused={fused} tokens={t}"
+        assert oks(text) == [f"transport={name} fused={fused} tokens={t}{waits}"
                              for t in (2, 6, 0, 4, 2)], text
 
 
@@ -111,7 +112,8 @@ def test_fused_ipc_exchange_is_exact(mpiexec, tmp_path, n, fused, wait, extra):
     """The fused exchange (pack delivers into every rank, merge reads in place) against
     the oracle: every call alternates the buffer half, with the table, owned heads,
     both kernel families, query_len 2 (default) and 1, the merge's blocks waiting or a
-    wait kernel before it (NUMBA_CP_IPC_WAIT), at world 1 to 8."""
+    wait kernel before it (NUMBA_CP_IPC_WAIT; unset, the simulator's ranks, whose GPUs
+    are unknown, wait in a kernel), at world 1 to 8."""
     tokens = "2,5,0,4,3" if "--query-len" in extra else "2,6,0,4,2"
     if "--tokens" in extra:
         tokens = extra[extra.index("--tokens") + 1]
@@ -123,9 +125,10 @@ def test_fused_ipc_exchange_is_exact(mpiexec, tmp_path, n, fused, wait, extra):
                                       env=env)
     assert status == 0, output[-4000:]
     expect_fused = fused != "off" and n > 1
+    waits = f" wait={wait or 'kernel'}" if expect_fused else ""
     for rank, text in lines.items():
         assert not problems(text), text
-        assert oks(text) == [f"transport=ipc fused={expect_fused} tokens={t}"
+        assert oks(text) == [f"transport=ipc fused={expect_fused} tokens={t}{waits}"
                              for t in tokens.split(",")], text
 
 
@@ -222,10 +225,11 @@ def test_two_level_exchange_with_fused_node_level_is_exact(mpiexec, tmp_path, n,
     merge as two graphs around the nodes' gather) replayed among them."""
     env = {"NUMBA_CP_IPC_WAIT": wait} if wait else {}
     check_two_level(mpiexec, tmp_path, n, nodes,
-                    ["--transport", "ipc", "--fused", "on", *extra], fused=True, env=env)
+                    ["--transport", "ipc", "--fused", "on", *extra], fused=True, env=env,
+                    wait=wait or "kernel")  # unset: the simulator's GPUs are unknown
 
 
-def check_two_level(mpiexec, tmp_path, n, nodes, extra, fused, env=()):
+def check_two_level(mpiexec, tmp_path, n, nodes, extra, fused, env=(), wait=None):
     tokens = extra[extra.index("--tokens") + 1] if "--tokens" in extra else "2,6,0,4,2"
     status, lines, output = run_ranks(mpiexec, n, tmp_path / "plan", "plan_check.py",
                                       "--hierarchy", "node", *extra,
@@ -242,3 +246,4 @@ def check_two_level(mpiexec, tmp_path, n, nodes, extra, fused, env=()):
         for line, t in zip(got, tokens.split(",")):
             assert f"fused={fused} tokens={t} two-level:" in line, line
             assert f"{len(sizes)} node(s) of {','.join(sizes)} rank(s)" in line, line
+            assert line.endswith(f" wait={wait}" if fused else "rank(s)"), line

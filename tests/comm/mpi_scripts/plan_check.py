@@ -99,6 +99,9 @@ def run(args, comm):
             label = f"transport={transport.name} fused={plan.fused} tokens={tokens}"
             if args.hierarchy != "flat":
                 label += f" {plan.describe().split(';')[0]}"
+            if plan.fused:  # where the fused gather waits for its peers
+                label += (" wait=merge" if "the merge's blocks wait" in plan.describe()
+                          else " wait=kernel")
             if plan.transport is not transport:
                 failures += 1
                 say(rank, f"FAIL {label}: the plan's transport changed")
