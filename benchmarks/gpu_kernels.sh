@@ -16,7 +16,8 @@
 #   ncu      Nsight Compute of the small rows' kernels (NVIDIA, where ncu is found)
 #   tests    the kernel, launch and caller tests on the GPU target
 #
-# Each step runs under `timeout STEP_TIMEOUT` (the tests under TESTS_TIMEOUT) and writes
+# Each step runs under `timeout STEP_TIMEOUT` (the sweep, which compiles a kernel per
+# shape, under SWEEP_TIMEOUT, and the tests under TESTS_TIMEOUT) and writes
 # OUT_DIR/<step>.txt, its command first; a failed step is reported and the next one runs.
 # The exit status is 1 if any step failed. PYTHON names the interpreter.
 set -u
@@ -26,6 +27,7 @@ PYTHON=${PYTHON:-python3}
 ALL_STEPS="facts kernels sweep host ncu tests"
 STEPS=${STEPS:-$ALL_STEPS}
 STEP_TIMEOUT=${STEP_TIMEOUT:-600}
+SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-1800}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-1800}
 export NUMBA_CP_BACKEND=${NUMBA_CP_BACKEND:-cuda}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -74,7 +76,7 @@ for step in $STEPS; do
       fi ;;
     kernels) run kernels "$STEP_TIMEOUT" "$PYTHON" benchmarks/bench_kernels.py --exchange \
                --json "$OUT/bench_kernels.json" ;;
-    sweep) run sweep "$STEP_TIMEOUT" "$PYTHON" benchmarks/bench_kernels.py --sweep-launch \
+    sweep) run sweep "$SWEEP_TIMEOUT" "$PYTHON" benchmarks/bench_kernels.py --sweep-launch \
              --no-torch --rounds 1 --json "$OUT/bench_kernels_sweep.json" ;;
     host) run host "$STEP_TIMEOUT" "$PYTHON" benchmarks/profile_call.py --torch \
             --json "$OUT/profile_call.json" ;;
