@@ -564,7 +564,7 @@ def main(argv=None):
                    help="also time every threads x sort_limit launch shape per case "
                         "(pack, merge and world 1)")
     p.add_argument("--method", choices=numba_cp.METHODS, default="auto",
-                   help="kernel family timed (the sweep tries both)")
+                   help="kernel family timed (the sweep tries each)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     for name in ("calls", "rounds"):
